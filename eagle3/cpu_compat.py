@@ -1,0 +1,72 @@
+"""Run speculators' `Trainer` on a machine without an accelerator.
+
+speculators 0.9.0 assumes one in three places, each adapted here and nowhere else:
+`Trainer.setup_model`/`train_epoch` move the model and batches to `local_rank` (0, i.e. cuda:0);
+its step timer calls `torch.accelerator.synchronize()`; and the checkpointer loads resume state onto
+`get_current_device()`, which answers "cuda:0" when there is no accelerator. Attention and loss
+need CPU-capable implementations too (flex attention has no CPU backward, the fused loss needs
+Triton): see `draft_attn_impl` and `loss_implementation`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import speculators.train.checkpointer as checkpointer_module
+import speculators.train.trainer as trainer_module
+from speculators.train.trainer import Trainer
+
+__all__ = ["CpuTrainer", "draft_attn_impl", "loss_implementation", "trainer_class"]
+
+
+def draft_attn_impl(device: torch.device) -> str:
+    return "simple_flex_attention" if device.type == "cuda" else "sdpa"
+
+
+def loss_implementation(device: torch.device) -> str:
+    return "fused" if device.type == "cuda" else "eager"
+
+
+class _UnsyncedStepTimer(trainer_module._StepTimer):  # noqa: SLF001
+    """The step timer minus its accelerator synchronisation (CPU work is already synchronous)."""
+
+    def mark(self, name: str) -> None:
+        if self.enabled:
+            self._marks[name] = time.perf_counter()
+
+    def now(self) -> float | None:
+        return time.perf_counter() if self.enabled else None
+
+
+class CpuTrainer(Trainer):
+    """speculators' Trainer with the model and batches on the CPU."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.device_type = "cpu"  # autocast device
+
+    @property
+    def local_rank(self) -> str:
+        return "cpu"
+
+    @local_rank.setter
+    def local_rank(self, _value: int) -> None:
+        """Trainer.__init__ assigns the distributed local rank; on CPU the device is fixed."""
+
+
+@contextmanager
+def trainer_class(device: torch.device) -> Iterator[type[Trainer]]:
+    """The Trainer class to use on `device`, with speculators' accelerator assumptions lifted for CPU."""
+    if device.type != "cpu":
+        yield Trainer
+        return
+    saved = trainer_module._StepTimer, checkpointer_module.get_current_device  # noqa: SLF001
+    trainer_module._StepTimer = _UnsyncedStepTimer  # noqa: SLF001
+    checkpointer_module.get_current_device = lambda: "cpu"
+    try:
+        yield CpuTrainer
+    finally:
+        trainer_module._StepTimer, checkpointer_module.get_current_device = saved  # noqa: SLF001

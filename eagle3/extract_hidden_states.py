@@ -1,0 +1,231 @@
+"""Extract hidden states: run the verifier over every prepared sample and keep what the draft reads.
+
+For each sample i, `shard-KKKKK/hs_{i}.safetensors` holds speculators' format:
+`hidden_states` [seq, 4, H] bf16 (3 aux layers, then the final pre-norm state) and `token_ids`
+[seq] int64. Samples are grouped `records_per_shard` to a shard; a shard counts as done only
+once every file in it has been read back and checked (token ids match, values finite, shape),
+which `done.json` records. A killed run resumes at the first unfinished shard.
+
+Samples are sorted by length and padded into prefill batches of at most `prefill_batch_tokens`
+(padded) tokens; right padding under a causal mask leaves the real tokens' states unchanged,
+so results match batch size 1 within bf16 rounding. Cost: one verifier forward per token;
+storage 8*H bytes per token (SmolLM2-135M: 4.6 KB/token).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from eagle3.config import ConfigError, ExtractConfig
+from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
+from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_text
+from eagle3.verifier import VerifierManifest, load_text_model
+
+__all__ = [
+    "HiddenStatesManifest",
+    "extract_hidden_states",
+    "hidden_state_files", "resolve_aux_layer_ids", "resolve_device", "verify_shard"]
+
+
+class HiddenStatesManifest(ArtifactManifest):
+    kind: str = "hidden_states"
+    aux_layer_ids: list[int]
+    hidden_size: int
+    num_records: int
+    num_tokens: int
+    shards: list[str]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_aux_layer_ids(ids: list[int] | None, num_layers: int, verifier: Path) -> list[int]:
+    """Aux ids, defaulting to speculators' [2, n//2, n-3]; each must lie in [0, n-1].
+
+    Raises:
+        ConfigError: an id is out of range for this verifier (the final layer n is always added).
+    """
+    resolved = ids if ids is not None else [2, num_layers // 2, num_layers - 3]
+    bad = [i for i in resolved if not 0 <= i < num_layers]
+    if bad or len(set(resolved)) != 3:
+        raise ConfigError(
+            f"extract.aux_layer_ids = {resolved}: verifier '{verifier}' has {num_layers} layers, so ids "
+            f"must be 3 distinct values in 0..{num_layers - 1} (out of range: {bad}); "
+            f"{num_layers} (the final state) is always added. Set extract.aux_layer_ids explicitly."
+        )
+    return resolved
+
+
+class _Capture:
+    """Forward hooks collecting the residual stream at the aux layers and before the final norm."""
+
+    def __init__(self, decoder, aux_layer_ids: list[int]):
+        self.states: dict[int, torch.Tensor] = {}
+        self.handles = []
+        n = len(decoder.layers)
+        for slot, layer_id in enumerate(aux_layer_ids):
+            module = decoder.embed_tokens if layer_id == 0 else decoder.layers[layer_id - 1]
+            self.handles.append(module.register_forward_hook(self._output_hook(slot)))
+        # The last slot is the final PRE-norm state: the input of the final norm, not HF's
+        # last output_hidden_states entry (which is post-norm).
+        self.handles.append(decoder.norm.register_forward_pre_hook(self._input_hook(len(aux_layer_ids))))
+        assert n >= max(aux_layer_ids) + 1
+
+    def _output_hook(self, slot):
+        def hook(_module, _args, output):
+            self.states[slot] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _input_hook(self, slot):
+        def hook(_module, args):
+            self.states[slot] = args[0]
+
+        return hook
+
+    def stacked(self) -> torch.Tensor:
+        return torch.stack([self.states[s] for s in sorted(self.states)], dim=2)  # [batch, seq, 4, H]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Longest-first batches whose padded size (count x longest) stays within `budget` tokens."""
+    order = sorted(indices, key=lambda i: -lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _hs_path(shard_dir: Path, index: int) -> Path:
+    return shard_dir / f"hs_{index}.safetensors"
+
+
+def verify_shard(shard_dir: Path, expected: dict[int, list[int]], num_slots: int, hidden_size: int) -> None:
+    """Read back every file of a shard; raise ArtifactError naming the file and field on any defect."""
+    for index, token_ids in expected.items():
+        path = _hs_path(shard_dir, index)
+        if not path.exists():
+            raise ArtifactError(path, "missing")
+        data = load_file(path)
+        hs, ids = data.get("hidden_states"), data.get("token_ids")
+        if hs is None or ids is None:
+            raise ArtifactError(path, f"fields 'hidden_states' and 'token_ids' expected, found {sorted(data)}")
+        if tuple(hs.shape) != (len(token_ids), num_slots, hidden_size):
+            raise ArtifactError(path, f"field 'hidden_states': shape {tuple(hs.shape)}, expected {(len(token_ids), num_slots, hidden_size)}")
+        if ids.tolist() != token_ids:
+            raise ArtifactError(path, "field 'token_ids' does not match the prepared dataset record")
+        if not torch.isfinite(hs).all():
+            bad = (~torch.isfinite(hs)).sum(dim=(0, 2)).tolist()
+            raise ArtifactError(path, f"field 'hidden_states': non-finite values per layer slot {bad}")
+
+
+@torch.inference_mode()
+def _extract_shard(decoder, capture, shard_dir, indices, input_ids, budget, device, progress) -> None:
+    lengths = {i: len(input_ids[i]) for i in indices}
+    for batch in _batches(indices, lengths, budget):
+        width = lengths[batch[0]]
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, : lengths[i]] = torch.tensor(input_ids[i])
+            mask[row, : lengths[i]] = 1
+        decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+        states = capture.stacked().to("cpu", torch.bfloat16)
+        for row, i in enumerate(batch):
+            tmp = shard_dir / f".hs_{i}.tmp"
+            save_file(
+                {"hidden_states": states[row, : lengths[i]].contiguous(), "token_ids": ids[row, : lengths[i]].clone()},
+                tmp,
+            )
+            tmp.replace(_hs_path(shard_dir, i))
+            progress.update(lengths[i])
+
+
+def extract_hidden_states(
+    cfg: ExtractConfig,
+    dataset: DatasetManifest,
+    verifier: VerifierManifest,
+    store: ArtifactStore,
+    provenance: Provenance,
+    on_progress=None,
+) -> HiddenStatesManifest:
+    """Write verified hidden-state shards for every record of `dataset`, then publish them.
+
+    `on_progress(tokens_done, tokens_total)` is called after each shard.
+
+    Raises:
+        ConfigError: aux layer ids out of range for the verifier.
+        ArtifactError: a written file fails verification.
+    """
+    clock = Stopwatch()
+    aux = resolve_aux_layer_ids(cfg.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
+    table = load_dataset_table(dataset)
+    input_ids: list[list[int]] = table.column("input_ids").to_pylist()
+    work = store.work_dir("hidden_states", provenance.key)
+    shard_size = cfg.records_per_shard
+    shards = [list(range(s, min(s + shard_size, len(input_ids)))) for s in range(0, len(input_ids), shard_size)]
+    names = [f"shard-{k:05d}" for k in range(len(shards))]
+    todo = [k for k, name in enumerate(names) if not (work / name / "done.json").exists()]
+
+    if todo:
+        device = resolve_device(cfg.device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = load_text_model(verifier.path, dtype, device)
+        decoder = model.get_decoder()
+        capture = _Capture(decoder, aux)
+        total = sum(len(input_ids[i]) for k in todo for i in shards[k])
+        try:
+            with tqdm(total=total, desc="extract hidden states", unit="tok") as progress:
+                for k in todo:
+                    shard_dir = work / names[k]
+                    shard_dir.mkdir(exist_ok=True)
+                    _extract_shard(decoder, capture, shard_dir, shards[k], input_ids, cfg.prefill_batch_tokens, device, progress)
+                    verify_shard(shard_dir, {i: input_ids[i] for i in shards[k]}, len(aux) + 1, verifier.hidden_size)
+                    atomic_write_text(shard_dir / "done.json", json.dumps({"records": [shards[k][0], shards[k][-1]]}))
+                    if on_progress is not None:
+                        on_progress(progress.n, total)
+        finally:
+            capture.close()
+            del model, decoder
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    return store.publish(
+        work,
+        HiddenStatesManifest(
+            **provenance.model_dump(),
+            path=work,
+            aux_layer_ids=aux,
+            hidden_size=verifier.hidden_size,
+            num_records=len(input_ids),
+            num_tokens=sum(map(len, input_ids)),
+            shards=names,
+            seconds=clock(),
+        ),
+    )
+
+
+def hidden_state_files(manifest: HiddenStatesManifest) -> dict[int, Path]:
+    """Sample index -> its hidden-state file, across shards."""
+    files = {}
+    for name in manifest.shards:
+        for path in (Path(manifest.path) / name).glob("hs_*.safetensors"):
+            files[int(path.stem.removeprefix("hs_"))] = path
+    return files

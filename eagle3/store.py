@@ -1,0 +1,220 @@
+"""Content-addressed artifact store.
+
+Layout under the store root:
+
+    artifacts/<digest>/            one finished artifact; `manifest.json` is written last
+    work/<step>-<key>/             a step's unfinished output, kept across crashes for resume
+    file-digests.json              memo of streamed file digests by (path, size, mtime)
+
+An artifact's digest is the sha256 over its files' relative paths and contents, so two runs
+that produce the same bytes share one directory. Publishing is a rename of a finished work
+directory, so a reader never sees half an artifact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, Field
+
+__all__ = [
+    "ArtifactError",
+    "ArtifactManifest",
+    "ArtifactStore",
+    "Provenance",
+    "Stopwatch",
+    "atomic_write_bytes",
+    "code_version",
+    "atomic_write_text",
+    "digest_file",
+    "digest_tree",
+    "step_provenance",
+]
+
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 20
+
+M = TypeVar("M", bound="ArtifactManifest")
+
+
+class ArtifactError(RuntimeError):
+    """An artifact or input file is missing, unreadable or inconsistent."""
+
+    def __init__(self, path: Path | str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = Path(path)
+
+
+class Provenance(BaseModel):
+    """What shapes a step's output: its inputs' digests, its output-affecting config, its code."""
+
+    parents: dict[str, str] = Field(default_factory=dict, description="input name -> digest")
+    config: dict[str, Any] = Field(default_factory=dict, description="the output-affecting step config")
+    code_version: str = ""
+
+    @property
+    def key(self) -> str:
+        """The step's cache key: equal provenance, equal output."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+
+
+class ArtifactManifest(Provenance):
+    """What a step hands on: where its output is and what shaped it. Never tensors."""
+
+    kind: str
+    digest: str = ""
+    path: Path
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def digest_file(path: Path) -> str:
+    """sha256 of a file, streamed in 1 MiB chunks (never the whole file in memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def digest_tree(root: Path, file_digest=digest_file) -> str:
+    """sha256 over (relative path, content digest) of every file under `root` but the manifest."""
+    h = hashlib.sha256()
+    for p in _files(root):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + file_digest(p).encode() + b"\n")
+    return h.hexdigest()
+
+
+class ArtifactStore:
+    def __init__(self, root: Path | str):
+        self.root = Path(root).expanduser()
+        (self.root / "artifacts").mkdir(parents=True, exist_ok=True)
+        (self.root / "work").mkdir(parents=True, exist_ok=True)
+
+    def work_dir(self, step: str, key: str) -> Path:
+        """A step's scratch directory, the same for the same key, so a re-run resumes in it."""
+        path = self.root / "work" / f"{step}-{key[:24]}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def artifact_dir(self, digest: str) -> Path:
+        return self.root / "artifacts" / digest
+
+    def input_digest(self, path: Path) -> str:
+        """Streamed content digest of an input file or directory, memoised by (size, mtime_ns)."""
+        path = Path(path).resolve()
+        if path.is_dir():
+            return digest_tree(path, self._memo_digest)
+        return self._memo_digest(path)
+
+    def _memo_digest(self, path: Path) -> str:
+        stat = path.stat()
+        memo_path = self.root / "file-digests.json"
+        memo = json.loads(memo_path.read_text()) if memo_path.exists() else {}
+        tag = f"{stat.st_size}:{stat.st_mtime_ns}"
+        entry = memo.get(str(path))
+        if entry and entry["tag"] == tag:
+            return entry["sha256"]
+        digest = digest_file(path)
+        memo[str(path)] = {"tag": tag, "sha256": digest}
+        atomic_write_text(memo_path, json.dumps(memo, indent=0))
+        return digest
+
+    def publish(self, work: Path, manifest: M) -> M:
+        """Turn a finished work directory into an artifact named by its content digest.
+
+        `manifest` comes with everything but `digest`, `path` and `num_bytes`, which are filled here.
+        """
+        digest = digest_tree(work)
+        final = self.artifact_dir(digest)
+        num_bytes = sum(p.stat().st_size for p in _files(work))
+        manifest = manifest.model_copy(update={"digest": digest, "path": final, "num_bytes": num_bytes})
+        atomic_write_text(work / MANIFEST, manifest.model_dump_json(indent=2))
+        if final.exists():
+            shutil.rmtree(work)
+        else:
+            os.replace(work, final)
+            _fsync_dir(final.parent)
+        return manifest
+
+    def load(self, manifest_type: type[M], digest: str) -> M:
+        path = self.artifact_dir(digest) / MANIFEST
+        if not path.exists():
+            raise ArtifactError(path, "no such artifact (deleted, or from another store)")
+        return manifest_type.model_validate_json(path.read_text())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_provenance(module, store: "ArtifactStore", **inputs: Any) -> Provenance:
+    """A step's provenance from its inputs: manifests count by digest, files and directories by
+    streamed content digest, config groups by their output-affecting fields, anything else as is."""
+    from eagle3.config import output_affecting
+
+    parents: dict[str, str] = {}
+    config: dict[str, Any] = {}
+    for name, value in sorted(inputs.items()):
+        if isinstance(value, ArtifactManifest):
+            parents[name] = value.digest
+        elif isinstance(value, Path):
+            parents[name] = store.input_digest(value)
+        elif isinstance(value, BaseModel):
+            config[name] = output_affecting(value)
+        else:
+            config[name] = value
+    return Provenance(parents=parents, config=config, code_version=code_version(module))
+
+
+def code_version(module) -> str:
+    """Digest of a step's source and the libraries that compute it: a code change re-runs the step."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256(Path(module.__file__).read_bytes())
+    for package in ("torch", "transformers", "speculators"):
+        h.update(f"{package}=={version(package)}".encode())
+    return h.hexdigest()[:16]
+
+
+class Stopwatch:
+    """Seconds since construction, for manifests' `seconds`."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __call__(self) -> float:
+        return round(time.perf_counter() - self.start, 3)

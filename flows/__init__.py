@@ -1,0 +1,1 @@
+"""Prefect flows: compositions of `tasks`, nothing else."""

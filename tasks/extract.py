@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from prefect import task
+
+from eagle3 import extract_hidden_states as step
+from eagle3.config import ExtractConfig
+from eagle3.prepare_dataset import DatasetManifest
+from eagle3.store import ArtifactStore, step_provenance
+from eagle3.verifier import VerifierManifest
+from tasks.cache import step_cache_policy
+from tasks.report import Progress, publish_step_report
+
+
+@task(name="extract-hidden-states", cache_policy=step_cache_policy(step), persist_result=True)
+def extract_hidden_states_task(
+    store_dir: str, cfg: ExtractConfig, dataset: DatasetManifest, verifier: VerifierManifest
+) -> step.HiddenStatesManifest:
+    store = ArtifactStore(store_dir)
+    provenance = step_provenance(step, store, cfg=cfg, dataset=dataset, verifier=verifier)
+    manifest = step.extract_hidden_states(
+        cfg, dataset, verifier, store, provenance, on_progress=Progress("extract hidden states (tokens)")
+    )
+    publish_step_report(manifest, manifest.model_dump(include={"aux_layer_ids", "num_records", "num_tokens", "shards"}))
+    return manifest

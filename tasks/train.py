@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+from prefect import task
+
+from eagle3 import train as step
+from eagle3.config import TrainConfig
+from eagle3.extract_hidden_states import HiddenStatesManifest
+from eagle3.prepare_dataset import DatasetManifest
+from eagle3.store import ArtifactStore, step_provenance
+from eagle3.verifier import VerifierManifest
+from eagle3.vocab_mapping import VocabManifest
+from tasks.cache import step_cache_policy
+from tasks.report import Progress, publish_step_report
+
+
+@task(name="train-draft", cache_policy=step_cache_policy(step), persist_result=True)
+def train_draft_task(
+    store_dir: str,
+    cfg: TrainConfig,
+    dataset: DatasetManifest,
+    hidden_states: HiddenStatesManifest,
+    vocab: VocabManifest,
+    verifier: VerifierManifest,
+) -> step.DraftManifest:
+    store = ArtifactStore(store_dir)
+    provenance = step_provenance(step, store, cfg=cfg, dataset=dataset, hidden_states=hidden_states, vocab=vocab, verifier=verifier)
+    manifest = step.train_draft(
+        cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)")
+    )
+    publish_step_report(manifest, {"num_steps": manifest.num_steps, "tau_sim": round(manifest.tau_sim, 4)})
+    return manifest

@@ -1,0 +1,84 @@
+"""Tiny real verifiers for tests: random-weight Llama decoders with a trained byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+GENERATION = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}<|im_start|>assistant\n"
+    "{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>"]
+
+
+def sample_texts() -> list[str]:
+    path = Path(__file__).resolve().parents[1] / "eagle3" / "data" / "sample_conversations.jsonl"
+    texts = []
+    for line in path.read_text().splitlines():
+        texts.extend(m["content"] for m in json.loads(line)["messages"])
+    return texts
+
+
+def tiny_tokenizer(template: str = CHATML, vocab_size: int = 1024):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(sample_texts() * 2, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        chat_template=template,
+    )
+
+
+def _llama_config(vocab_size: int, num_layers: int, hidden: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=2048, tie_word_embeddings=False)
+
+
+def tiny_llama(out: Path, num_layers: int = 4, hidden: int = 64, template: str = CHATML) -> Path:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer(template)
+    model = LlamaForCausalLM(_llama_config(len(tokenizer), num_layers, hidden))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def tiny_llava(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
+    """A Llava-style verifier: `text_config` nested in the config, decoder weights under a prefix."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer()
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=32, patch_size=16)
+    config = LlavaConfig(vision_config=vision, text_config=_llama_config(len(tokenizer), num_layers, hidden),
+                         image_token_index=len(tokenizer) - 1)
+    LlavaForConditionalGeneration(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

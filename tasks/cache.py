@@ -13,6 +13,7 @@ from typing import Any
 
 from prefect.cache_policies import TASK_SOURCE, CachePolicy
 from prefect.context import TaskRunContext
+from prefect.utilities.hashing import hash_objects
 
 from eagle3.store import ArtifactStore, step_provenance
 
@@ -34,7 +35,8 @@ class StepProvenance(CachePolicy):
             return None
         inputs = dict(inputs)
         store = ArtifactStore(inputs.pop("store_dir"))
-        return step_provenance(self.step_module, store, **inputs).key
+        # The store is part of the key: a cached manifest points into the store that holds it.
+        return hash_objects(str(store.root), step_provenance(self.step_module, store, **inputs).key)
 
 
 def step_cache_policy(step_module: ModuleType) -> CachePolicy:

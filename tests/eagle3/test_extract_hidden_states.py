@@ -1,0 +1,125 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, VerifierConfig
+from eagle3.extract_hidden_states import extract_hidden_states, hidden_state_files, verify_shard
+from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
+from eagle3.store import ArtifactError, ArtifactStore, Provenance
+from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
+
+AUX = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_verifier, tmp_path_factory):
+    from conftest import SAMPLE
+
+    store = ArtifactStore(tmp_path_factory.mktemp("store"))
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)
+    dataset = prepare_dataset(
+        DatasetConfig(max_seq_len=256, max_records=24), SAMPLE, load_tokenizer(verifier.path), store, Provenance()
+    )
+    return store, verifier, dataset
+
+
+def _all_states(manifest) -> dict[int, torch.Tensor]:
+    return {i: load_file(p)["hidden_states"] for i, p in hidden_state_files(manifest).items()}
+
+
+def test_packed_batches_match_batch_size_one(prepared):
+    store, verifier, dataset = prepared
+
+    one = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=1), dataset, verifier, store, Provenance(config={"b": 1}))
+    packed = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=4096), dataset, verifier, store, Provenance(config={"b": 2}))
+
+    a, b = _all_states(one), _all_states(packed)
+    assert sorted(a) == list(range(dataset.num_records))
+    for i in a:
+        assert a[i].shape == b[i].shape == (a[i].shape[0], 4, verifier.hidden_size)
+        torch.testing.assert_close(a[i].float(), b[i].float(), atol=2e-2, rtol=1.6e-2)
+
+
+def test_last_slot_is_the_pre_norm_final_state(prepared):
+    store, verifier, dataset = prepared
+    manifest = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX), dataset, verifier, store, Provenance())
+    model = load_text_model(verifier.path, torch.float32, "cpu")
+    ids = load_dataset_table(dataset).column("input_ids")[0].as_py()
+
+    stored = load_file(hidden_state_files(manifest)[0])["hidden_states"]
+    with torch.no_grad():
+        out = model.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+
+    torch.testing.assert_close(model.model.norm(stored[:, 3].float()), out.last_hidden_state[0], atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(stored[:, 0].float(), out.hidden_states[1][0], atol=2e-2, rtol=1.6e-2)
+
+
+def test_aux_layer_ids_out_of_range_name_the_verifier_and_layers(prepared):
+    store, verifier, dataset = prepared
+
+    with pytest.raises(ConfigError, match=r"extract.aux_layer_ids = \[1, 2, 9\]: verifier '.*' has 4 layers.*out of range: \[9\]"):
+        extract_hidden_states(ExtractConfig(aux_layer_ids=[1, 2, 9]), dataset, verifier, store, Provenance())
+
+
+def test_default_aux_ids_need_enough_layers(prepared):
+    store, verifier, dataset = prepared
+
+    with pytest.raises(ConfigError, match="Set extract.aux_layer_ids explicitly"):
+        extract_hidden_states(ExtractConfig(), dataset, verifier, store, Provenance())
+
+
+def test_killed_extraction_resumes_at_the_first_unfinished_shard(prepared):
+    store, verifier, dataset = prepared
+    cfg = ExtractConfig(aux_layer_ids=AUX, records_per_shard=8)
+    provenance = Provenance(config={"resume": True})
+
+    class Killed(Exception):
+        pass
+
+    def die_after_first_shard(done, total):
+        raise Killed
+
+    with pytest.raises(Killed):
+        extract_hidden_states(cfg, dataset, verifier, store, provenance, on_progress=die_after_first_shard)
+    work = store.work_dir("hidden_states", provenance.key)
+    first_shard = {p.name: p.stat().st_mtime_ns for p in (work / "shard-00000").iterdir()}
+    calls = []
+
+    resumed = extract_hidden_states(cfg, dataset, verifier, store, provenance, on_progress=lambda d, t: calls.append((d, t)))
+
+    assert len(calls) == 2  # shards 1 and 2 of 3
+    assert {p.name: p.stat().st_mtime_ns for p in (resumed.path / "shard-00000").iterdir()} == first_shard
+    fresh = extract_hidden_states(cfg, dataset, verifier, store, Provenance(config={"fresh": True}))
+    assert fresh.digest == resumed.digest
+
+
+def test_verify_shard_names_file_and_field_on_mismatch(prepared, tmp_path):
+    store, verifier, dataset = prepared
+    manifest = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX), dataset, verifier, store, Provenance())
+    data = load_file(hidden_state_files(manifest)[0])
+    save_file({"hidden_states": data["hidden_states"], "token_ids": data["token_ids"] + 1}, tmp_path / "hs_0.safetensors")
+
+    with pytest.raises(ArtifactError, match=r"hs_0\.safetensors: field 'token_ids' does not match"):
+        verify_shard(tmp_path, {0: data["token_ids"].tolist()}, 4, verifier.hidden_size)
+
+
+def test_nested_verifier_loads_its_text_decoder(tiny_nested_verifier, tmp_path):
+    from conftest import SAMPLE
+
+    store = ArtifactStore(tmp_path / "store")
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_nested_verifier)), store)
+    model = load_text_model(verifier.path, torch.float32, "cpu")
+    with safe_open(tiny_nested_verifier / "model.safetensors", "pt") as f:
+        [key] = [k for k in f.keys() if k.endswith("layers.1.mlp.up_proj.weight")]
+        expected = f.get_tensor(key)
+    dataset = prepare_dataset(DatasetConfig(max_records=4), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
+
+    manifest = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX), dataset, verifier, store, Provenance())
+
+    assert verifier.nested and verifier.num_hidden_layers == 4
+    assert "language_model" in key
+    torch.testing.assert_close(model.model.layers[1].mlp.up_proj.weight, expected)
+    assert load_file(hidden_state_files(manifest)[3])["hidden_states"].shape[1:] == (4, 64)

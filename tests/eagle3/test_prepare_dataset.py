@@ -1,0 +1,117 @@
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import write_jsonl
+from eagle3.config import DatasetConfig
+from eagle3.prepare_dataset import build_loss_mask, prepare_dataset, read_conversations
+from eagle3.store import ArtifactError, ArtifactStore, Provenance
+from tiny_models import CHATML, GENERATION, LLAMA3, tiny_tokenizer
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello there"},
+    {"role": "user", "content": "More"},
+    {"role": "assistant", "content": "Sure"},
+]
+
+
+@pytest.fixture(scope="module", params=[
+    (CHATML, "Hello there<|im_end|>Sure<|im_end|>"),
+    (LLAMA3, "Hello there<|eot_id|>Sure<|eot_id|>"),
+    (GENERATION, "Hello there<|im_end|>Sure<|im_end|>"),
+], ids=["chatml", "llama3", "generation-markers"])
+def template_case(request):
+    template, supervised = request.param
+    return tiny_tokenizer(template), supervised
+
+
+def _segments(mask: list[int]) -> int:
+    return sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(template_case):
+    tokenizer, expected_supervised = template_case
+
+    ids, mask = build_loss_mask(tokenizer, CONVERSATION)
+
+    assert len(ids) == len(mask)
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == expected_supervised
+    assert _segments(mask) == 2
+    unsupervised = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    assert "Hi" in unsupervised and "More" in unsupervised and "Be brief." in unsupervised
+    assert "Hello" not in unsupervised
+
+
+@pytest.fixture(scope="module")
+def chatml():
+    return tiny_tokenizer(CHATML)
+
+
+def test_sharegpt_records_read_like_messages(tmp_path):
+    path = write_jsonl(tmp_path / "sg.jsonl", [{"id": "a", "conversations": [
+        {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}])
+
+    [(record_id, messages)] = list(read_conversations(path))
+
+    assert record_id == "a"
+    assert messages == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+def test_unknown_role_names_file_record_and_field(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+        {"id": "r7", "messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]},
+    ])
+
+    with pytest.raises(ArtifactError, match=r"bad\.jsonl: record 1 \(id 'r7'\): field 'messages\[1\]\.role': unknown role 'robot'"):
+        list(read_conversations(path))
+
+
+def test_unreadable_record_names_file_and_line(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "a"}]}\n{"messages": [\n')
+
+    with pytest.raises(ArtifactError, match=r"broken\.jsonl: record 1 \(line 2\): not valid JSON"):
+        list(read_conversations(path))
+
+
+def test_missing_turns_field_names_it(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", [{"id": 3, "text": "hello"}])
+
+    with pytest.raises(ArtifactError, match=r"x\.jsonl: record 0 \(id '3'\): field 'messages' .* is missing"):
+        list(read_conversations(path))
+
+
+def test_prepare_drops_and_counts_unsupervised_records_and_truncates(tmp_path, chatml):
+    path = write_jsonl(tmp_path / "c.jsonl", [
+        {"messages": [{"role": "user", "content": "only a question"}]},
+        {"messages": [{"role": "user", "content": "q " * 300}, {"role": "assistant", "content": "late answer"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "answer " * 100}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "short"}]},
+    ])
+    store = ArtifactStore(tmp_path / "store")
+
+    manifest = prepare_dataset(DatasetConfig(max_seq_len=64), path, chatml, store, Provenance())
+
+    assert manifest.dropped == {"no_assistant_turn": 1, "no_supervised_token": 1}
+    assert manifest.num_records == 2
+    assert manifest.num_truncated == 2
+    table = pq.read_table(manifest.path / manifest.files[0])
+    assert table.column("seq_len").to_pylist() == [64, len(table.column("input_ids")[1])]
+    assert table.column("record_id").to_pylist() == ["2", "3"]
+    freq = pq.read_table(manifest.path / "token_freq.parquet").to_pydict()
+    supervised = sum(sum(m) for m in table.column("loss_mask").to_pylist())
+    assert sum(freq["count"]) == supervised == manifest.num_supervised_tokens
+
+
+def test_prepare_is_content_addressed(tmp_path, chatml, conversations):
+    store = ArtifactStore(tmp_path / "store")
+
+    first = prepare_dataset(DatasetConfig(), conversations, chatml, store, Provenance(config={"run": 1}))
+    second = prepare_dataset(DatasetConfig(), conversations, chatml, store, Provenance(config={"run": 2}))
+
+    assert first.digest == second.digest
+    assert (first.path / "manifest.json").exists()

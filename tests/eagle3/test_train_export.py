@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import speculators.train.checkpointer as checkpointer_module
+import speculators.train.trainer as trainer_module
+import torch
+
+from eagle3 import cpu_compat
+from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
+from eagle3.export import export_checkpoint, validate_checkpoint
+from eagle3.extract_hidden_states import extract_hidden_states
+from eagle3.prepare_dataset import prepare_dataset
+from eagle3.store import ArtifactError, ArtifactStore, Provenance
+from eagle3.train import simulated_acceptance_length, train_draft
+from eagle3.verifier import load_tokenizer, resolve_verifier
+from eagle3.vocab_mapping import build_vocab_mapping
+
+TRAIN = TrainConfig(epochs=3, lr=1e-3, total_seq_len=512)
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_verifier, tmp_path_factory):
+    from conftest import SAMPLE
+
+    store = ArtifactStore(tmp_path_factory.mktemp("store"))
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)
+    dataset = prepare_dataset(DatasetConfig(max_seq_len=256), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
+    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=[1, 2, 3]), dataset, verifier, store, Provenance())
+    vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=512), dataset, verifier.vocab_size, store, Provenance())
+    return store, verifier, dataset, hidden, vocab
+
+
+@pytest.fixture(scope="module")
+def draft(inputs):
+    store, verifier, dataset, hidden, vocab = inputs
+    return train_draft(TRAIN, dataset, hidden, vocab, verifier, store, Provenance(config={"run": "main"}))
+
+
+def test_simulated_acceptance_length_is_one_plus_sum_of_chain_products():
+    assert simulated_acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1.875)
+    assert simulated_acceptance_length([1.0, 0.0, 1.0]) == 2.0
+
+
+def test_training_logs_per_step_accuracies_and_simulated_tau(draft):
+    steps = [json.loads(line) for line in (draft.path / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [s["train"] for s in steps if "train" in s]
+
+    assert len(train_steps) == draft.num_steps > 0
+    assert {f"{m}_{k}" for m in ("loss", "full_acc", "cond_acc") for k in range(3)} <= set(train_steps[0])
+    last = draft.epochs[-1]
+    assert [e["epoch"] for e in draft.epochs] == [0, 1, 2]
+    assert last["tau_sim"] == pytest.approx(simulated_acceptance_length([last[f"cond_acc_{k}"] for k in range(3)]))
+    assert draft.tau_sim == last["tau_sim"]
+    assert draft.epochs[-1]["val_loss"] < draft.epochs[0]["val_loss"]
+
+
+def test_interrupted_training_resumes_from_the_last_epoch_checkpoint(inputs):
+    store, verifier, dataset, hidden, vocab = inputs
+    provenance = Provenance(config={"run": "resume"})
+    seen = []
+
+    class Killed(Exception):
+        pass
+
+    def die_in_second_epoch(step, total, metrics):
+        seen.append(step)
+        if step > total // TRAIN.epochs + 1:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_draft(TRAIN, dataset, hidden, vocab, verifier, store, provenance, on_step=die_in_second_epoch)
+    resumed = []
+
+    manifest = train_draft(TRAIN, dataset, hidden, vocab, verifier, store, provenance, on_step=lambda s, t, m: resumed.append(s))
+
+    # Epoch 1 starts over where epoch 0's checkpoint left off; epoch 0 is not trained again.
+    assert 1 < resumed[0] <= seen[-1]
+    assert resumed == list(range(resumed[0], resumed[0] + len(resumed)))
+    assert [e["epoch"] for e in manifest.epochs] == [0, 1, 2]
+
+
+def test_export_reloads_and_names_the_serving_verifier(inputs, draft):
+    store, verifier, dataset, hidden, vocab = inputs
+
+    manifest = export_checkpoint(ExportConfig(verifier_name_or_path="org/verifier"), draft, verifier, vocab, hidden, store, Provenance())
+
+    config = json.loads((manifest.path / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/verifier"
+    assert config["transformer_layer_config"]["vocab_size"] == verifier.vocab_size == 1024
+    assert config["draft_vocab_size"] == 512
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert manifest.tau_sim == draft.tau_sim
+
+
+def test_validate_checkpoint_names_the_wrong_field(inputs, draft, tmp_path):
+    store, verifier, dataset, hidden, vocab = inputs
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((draft.path / "checkpoint" / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["transformer_layer_config"]["vocab_size"] = 512
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    with pytest.raises(ArtifactError, match=r"config\.json: field 'transformer_layer_config.vocab_size' is 512, expected 1024"):
+        validate_checkpoint(tmp_path, verifier, vocab, hidden)
+
+
+def test_cpu_adaptation_is_undone_on_exit():
+    saved = trainer_module._StepTimer, checkpointer_module.get_current_device
+
+    with cpu_compat.trainer_class(torch.device("cpu")) as trainer_cls:
+        assert trainer_cls is cpu_compat.CpuTrainer
+        assert checkpointer_module.get_current_device() == "cpu"
+
+    assert (trainer_module._StepTimer, checkpointer_module.get_current_device) == saved

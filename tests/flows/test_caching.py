@@ -1,0 +1,88 @@
+"""The flow's caching contract, against a real `prefect server start`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3.config import PipelineConfig
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+STEPS = ["resolve-verifier", "prepare-dataset", "extract-hidden-states", "build-vocab-mapping", "train-draft", "export-checkpoint"]
+
+
+def _config(store, verifier, data, **train) -> PipelineConfig:
+    return PipelineConfig.model_validate({
+        "store_dir": str(store),
+        "verifier": {"path": str(verifier)},
+        "dataset": {"path": str(data), "max_seq_len": 256},
+        "extract": {"aux_layer_ids": [1, 2, 3], "records_per_shard": 16},
+        "vocab": {"draft_vocab_size": 512},
+        "train": {"epochs": 1, "total_seq_len": 512, **train},
+    })
+
+
+def _run(config: PipelineConfig):
+    """Run the flow; return its result and each task's final state name."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.train_draft import train_eagle3_draft
+
+    state = train_eagle3_draft(config, return_state=True)
+    assert state.is_completed(), state.message
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    return state.result(), {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
+
+
+@pytest.fixture
+def first_run(prefect_server, tiny_verifier, conversations, tmp_path):
+    config = _config(tmp_path / "store", tiny_verifier, conversations)
+    result, states = _run(config)
+    assert states == dict.fromkeys(STEPS, "Completed")
+    return config, result
+
+
+def test_identical_second_run_is_entirely_cached(first_run):
+    config, first = first_run
+
+    second, states = _run(config)
+
+    assert states == dict.fromkeys(STEPS, "Cached")
+    assert second.digest == first.digest
+    assert (second.path / "model.safetensors").exists()
+
+
+def test_changing_only_training_hyperparameters_reruns_train_and_export(first_run, tiny_verifier, conversations):
+    config, first = first_run
+
+    result, states = _run(config.model_copy(update={"train": config.train.model_copy(update={"lr": 1e-3})}))
+
+    assert states == {**dict.fromkeys(STEPS[:4], "Cached"), "train-draft": "Completed", "export-checkpoint": "Completed"}
+    assert result.digest != first.digest
+
+
+def test_changing_only_batch_knobs_reruns_nothing(first_run):
+    config, first = first_run
+    extract = config.extract.model_copy(update={"prefill_batch_tokens": 64})
+
+    result, states = _run(config.model_copy(update={"extract": extract}))
+
+    assert states == dict.fromkeys(STEPS, "Cached")
+    assert result.digest == first.digest
+
+
+def test_editing_the_dataset_in_place_reruns_everything_downstream(first_run, conversations):
+    config, first = first_run
+    lines = conversations.read_text().splitlines()
+    record = json.loads(lines[0])
+    record["messages"][1]["content"] = "A different answer, so the data changed."
+    conversations.write_text("\n".join([json.dumps(record), *lines[1:]]) + "\n")
+
+    result, states = _run(config)
+
+    assert states == {"resolve-verifier": "Cached", **dict.fromkeys(STEPS[1:], "Completed")}
+    assert result.digest != first.digest

@@ -1,0 +1,41 @@
+"""The README's first command, in-process: the embedded default with the real SmolLM2-135M verifier."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3.cli import main
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _manifests(store: Path) -> dict[str, dict]:
+    out = {}
+    for path in (store / "artifacts").glob("*/manifest.json"):
+        manifest = json.loads(path.read_text())
+        out[manifest["kind"]] = manifest
+    return out
+
+
+def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, capsys):
+    store = tmp_path / "store"
+
+    assert main(["run", f"store_dir={store}"]) == 0
+
+    printed = capsys.readouterr().out
+    manifests = _manifests(store)
+    checkpoint = Path(manifests["checkpoint"]["path"])
+    assert f"checkpoint: {checkpoint}" in printed
+    assert f"(tau_sim): {manifests['checkpoint']['tau_sim']:.3f}" in printed
+    verifier = manifests["verifier"]
+    assert (verifier["num_hidden_layers"], verifier["hidden_size"], verifier["vocab_size"]) == (30, 576, 49152)
+    dataset = manifests["dataset"]
+    assert dataset["num_records"] == 64 and dataset["dropped"] == {}
+    assert 0 < dataset["num_supervised_tokens"] < dataset["num_tokens"]
+    assert manifests["hidden_states"]["aux_layer_ids"] == [2, 15, 27]
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["transformer_layer_config"]["vocab_size"] == 49152
+    assert manifests["checkpoint"]["tau_sim"] > 1.0

@@ -36,9 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     from flows.train_draft import train_eagle3_draft
 
     result = train_eagle3_draft(config)
-    print(f"checkpoint: {result.path}")
-    print(f"simulated acceptance length (tau_sim): {result.tau_sim:.3f}")
-    print(f"serve it: vllm serve {result.path}")
+    checkpoint, evaluation = result.checkpoint, result.evaluation
+    print(f"checkpoint: {checkpoint.path}")
+    print(f"simulated acceptance length (tau_sim): {checkpoint.tau_sim:.3f}")
+    print(f"measured acceptance length on {evaluation.num_prompts} prompts ({evaluation.path / 'report.json'}):")
+    for r in evaluation.results:
+        print(f"  {r['method']:>6} k={r['k']}: tau {r['tau']:.3f}")
+    print(f"serve it: vllm serve {checkpoint.path}")
     return 0
 
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 __all__ = [
     "ConfigError",
     "DatasetConfig",
+    "EvalConfig",
     "ExportConfig",
     "ExtractConfig",
     "PipelineConfig",
@@ -110,6 +111,18 @@ class ExportConfig(_Group):
     )
 
 
+class EvalConfig(_Group):
+    prompts_path: str | None = Field(
+        None,
+        description="JSONL/parquet of prompts (`prompt`, MT-bench `turns`, `question` or `messages`). "
+        "Empty: 16 GSM8K test questions shipped with the package.",
+    )
+    num_prompts: int = Field(4, ge=1, description="Prompts evaluated (the first N).")
+    max_new_tokens: int = Field(64, ge=1, description="Tokens generated per prompt.")
+    ks: list[int] = Field([3, 5], min_length=1, description="Draft lengths k to measure tau at.")
+    device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.", json_schema_extra=_NO_KEY)
+
+
 class PipelineConfig(BaseModel):
     """Everything one run needs; the flow's only parameter."""
 
@@ -124,6 +137,7 @@ class PipelineConfig(BaseModel):
     vocab: VocabConfig = VocabConfig()
     train: TrainConfig = TrainConfig()
     export: ExportConfig = ExportConfig()
+    evaluate: EvalConfig = EvalConfig()
 
 
 def output_affecting(group: BaseModel) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provena
 from eagle3.verifier import VerifierManifest, load_text_model
 
 __all__ = [
+    "HiddenStateCapture",
     "HiddenStatesManifest",
     "extract_hidden_states",
     "hidden_state_files", "resolve_aux_layer_ids", "resolve_device", "verify_shard"]
@@ -64,7 +65,7 @@ def resolve_aux_layer_ids(ids: list[int] | None, num_layers: int, verifier: Path
     return resolved
 
 
-class _Capture:
+class HiddenStateCapture:
     """Forward hooks collecting the residual stream at the aux layers and before the final norm."""
 
     def __init__(self, decoder, aux_layer_ids: list[int]):
@@ -189,7 +190,7 @@ def extract_hidden_states(
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = load_text_model(verifier.path, dtype, device)
         decoder = model.get_decoder()
-        capture = _Capture(decoder, aux)
+        capture = HiddenStateCapture(decoder, aux)
         total = sum(len(input_ids[i]) for k in todo for i in shards[k])
         try:
             with tqdm(total=total, desc="extract hidden states", unit="tok") as progress:

@@ -66,7 +66,7 @@ def dataset_source(cfg: DatasetConfig) -> Path:
     return Path(__file__).parent / "data" / "sample_conversations.jsonl"
 
 
-def _raw_records(path: Path) -> Iterator[tuple[int, Any]]:
+def read_records(path: Path) -> Iterator[tuple[int, Any]]:
     """(index, record) pairs; an unreadable record raises naming the file and line."""
     if path.suffix == ".parquet":
         for i, row in enumerate(pq.read_table(path).to_pylist()):
@@ -116,7 +116,7 @@ def _normalise(path: Path, index: int, record: Any) -> tuple[str, list[dict[str,
 
 def read_conversations(path: Path, limit: int | None = None) -> Iterator[tuple[str, list[dict[str, str]]]]:
     """(record id, messages) for each record, validated; roles normalised to user/assistant/system."""
-    for n, (index, record) in enumerate(_raw_records(path)):
+    for n, (index, record) in enumerate(read_records(path)):
         if limit is not None and n >= limit:
             return
         yield _normalise(path, index, record)

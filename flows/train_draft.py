@@ -1,13 +1,17 @@
-"""The pipeline as one Prefect flow: verifier -> dataset -> hidden states + vocab -> draft -> checkpoint."""
+"""The pipeline as one Prefect flow:
+verifier -> dataset -> hidden states + vocab mapping -> draft -> checkpoint -> evaluation."""
 
 from __future__ import annotations
 
 from prefect import flow
+from pydantic import BaseModel
 
 from eagle3.config import PipelineConfig
+from eagle3.evaluate import EvalManifest, eval_prompts_source
 from eagle3.export import ExportManifest
 from eagle3.prepare_dataset import dataset_source
 from eagle3.verifier import verifier_source
+from tasks.evaluate import evaluate_task
 from tasks.export import export_checkpoint_task
 from tasks.extract import extract_hidden_states_task
 from tasks.prepare import prepare_dataset_task
@@ -16,13 +20,21 @@ from tasks.verifier import resolve_verifier_task
 from tasks.vocab import build_vocab_mapping_task
 
 
+class PipelineResult(BaseModel):
+    checkpoint: ExportManifest
+    evaluation: EvalManifest
+
+
 @flow(name="train-eagle3-draft")
-def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> ExportManifest:
-    """Train an EAGLE-3 draft for a verifier on a conversation dataset; every step is cached by content."""
+def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineResult:
+    """Train an EAGLE-3 draft for a verifier on a conversation dataset and measure its acceptance
+    length; every step is cached by content."""
     store = config.store_dir
     verifier = resolve_verifier_task(store, config.verifier, verifier_source(config.verifier))
     dataset = prepare_dataset_task(store, config.dataset, dataset_source(config.dataset), verifier)
     hidden_states = extract_hidden_states_task(store, config.extract, dataset, verifier)
     vocab = build_vocab_mapping_task(store, config.vocab, dataset, verifier)
     draft = train_draft_task(store, config.train, dataset, hidden_states, vocab, verifier)
-    return export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
+    checkpoint = export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
+    evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, eval_prompts_source(config.evaluate))
+    return PipelineResult(checkpoint=checkpoint, evaluation=evaluation)

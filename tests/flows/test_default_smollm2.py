@@ -39,3 +39,8 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["transformer_layer_config"]["vocab_size"] == 49152
     assert manifests["checkpoint"]["tau_sim"] > 1.0
+    evaluation = manifests["evaluation"]
+    assert evaluation["mismatches"] == 0
+    assert {(r["method"], r["k"]) for r in evaluation["results"]} == {("eagle3", 3), ("eagle3", 5), ("ngram", 3), ("ngram", 5)}
+    assert all(r["tau"] >= 1.0 for r in evaluation["results"])
+    assert "eagle3 k=3: tau" in printed

@@ -1,0 +1,161 @@
+"""Evaluate: measured acceptance length of the exported draft, by real speculative decoding.
+
+For each prompt (chat-templated, greedy), the verifier decodes `max_new_tokens` tokens three
+ways: plain greedy (reference output and speed), with the EAGLE-3 draft, and with n-gram prompt
+lookup (the no-training baseline), each draft method at every k in `ks`. Every speculative output
+is compared token for token with the plain one; the report counts any difference.
+
+Output `report.json`: per method and k, tau (tokens per verifier pass), the acceptance rate of
+each draft position, tokens/s, and the number of prompts and tokens; plus the training-time
+simulated tau for comparison. Cost: (1 + 2 x len(ks)) decodes per prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eagle3.config import EvalConfig
+from eagle3.export import ExportManifest
+from eagle3.extract_hidden_states import HiddenStateCapture, HiddenStatesManifest, resolve_device
+from eagle3.prepare_dataset import read_records
+from eagle3.speculative import DecodeStats, Eagle3Proposer, NgramProposer, greedy_decode, speculative_decode
+from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
+from eagle3.verifier import VerifierManifest, load_text_model, load_tokenizer
+
+__all__ = ["EvalManifest", "eval_prompts_source", "evaluate", "load_draft", "read_prompts"]
+
+logger = logging.getLogger(__name__)
+
+
+class EvalManifest(ArtifactManifest):
+    kind: str = "evaluation"
+    num_prompts: int
+    num_tokens: int
+    tau_sim: float
+    results: list[dict]
+    greedy_tokens_per_s: float
+    mismatches: int
+
+
+def eval_prompts_source(cfg: EvalConfig) -> Path:
+    """The prompts file (the GSM8K test sample shipped with the package when none is set)."""
+    if cfg.prompts_path:
+        return Path(cfg.prompts_path).expanduser().resolve()
+    return Path(__file__).parent / "data" / "sample_eval_prompts.jsonl"
+
+
+def read_prompts(path: Path, limit: int) -> list[str]:
+    """First user turns from `prompt`, MT-bench `turns`, GSM8K `question` or conversation records."""
+    prompts = []
+    for index, record in read_records(path):
+        if len(prompts) >= limit:
+            break
+        if not isinstance(record, dict):
+            raise ArtifactError(path, f"record {index}: expected a JSON object")
+        if isinstance(record.get("prompt"), str):
+            prompts.append(record["prompt"])
+        elif isinstance(record.get("turns"), list) and record["turns"]:
+            prompts.append(record["turns"][0])
+        elif isinstance(record.get("question"), str):
+            prompts.append(record["question"])
+        elif isinstance(record.get("messages") or record.get("conversations"), list):
+            turns = record.get("messages") or record.get("conversations")
+            first = next((t.get("content", t.get("value")) for t in turns if t.get("role", t.get("from")) in ("user", "human")), None)
+            if first is None:
+                raise ArtifactError(path, f"record {index}: field 'messages' has no user turn")
+            prompts.append(first)
+        else:
+            raise ArtifactError(path, f"record {index}: no prompt field: expected 'prompt', 'turns', 'question' or 'messages'")
+    if not prompts:
+        raise ArtifactError(path, "no prompts")
+    return prompts
+
+
+def load_draft(checkpoint: Path, verifier_path: Path, device: torch.device):
+    """The exported draft, with its verifier weights read from the local verifier directory."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    config = Eagle3DraftModel.config_class.from_pretrained(checkpoint)
+    config.speculators_config.verifier.name_or_path = str(verifier_path)
+    config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001  (not serialized)
+    model = Eagle3DraftModel.from_pretrained(checkpoint, config=config)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return model.to(device, dtype).eval()
+
+
+def _summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
+    passes = [a for run in runs for a in run.accepted_per_pass]
+    tokens = sum(len(run.tokens) for run in runs)
+    seconds = sum(run.seconds for run in runs)
+    return {
+        "method": method,
+        "k": k,
+        "tau": (sum(passes) + len(passes)) / max(len(passes), 1),
+        "acceptance_by_position": [sum(a >= i for a in passes) / max(len(passes), 1) for i in range(1, k + 1)],
+        "tokens_per_s": tokens / seconds,
+        "verifier_passes": len(passes),
+        "tokens": tokens,
+    }
+
+
+def evaluate(
+    cfg: EvalConfig,
+    checkpoint: ExportManifest,
+    hidden_states: HiddenStatesManifest,
+    verifier: VerifierManifest,
+    prompts_path: Path,
+    store: ArtifactStore,
+    provenance: Provenance,
+) -> EvalManifest:
+    """Measure tau of the draft and of the n-gram baseline; check outputs equal plain greedy."""
+    clock = Stopwatch()
+    device = resolve_device(cfg.device)
+    tokenizer = load_tokenizer(verifier.path)
+    model = load_text_model(verifier.path, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    capture = HiddenStateCapture(model.get_decoder(), hidden_states.aux_layer_ids)
+    draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, device))
+    eos_ids = {tokenizer.eos_token_id, *([model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int) else model.generation_config.eos_token_id or [])} - {None}
+
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        for p in read_prompts(prompts_path, cfg.num_prompts)
+    ]
+    runs: dict[tuple[str, int], list[DecodeStats]] = {}
+    reference_runs, mismatches = [], 0
+    try:
+        for prompt in tqdm(prompts, desc="evaluate", unit="prompt"):
+            reference = greedy_decode(model, list(prompt), cfg.max_new_tokens, eos_ids)
+            reference_runs.append(reference)
+            for method, proposer in (("eagle3", draft), ("ngram", NgramProposer())):
+                for k in cfg.ks:
+                    run = speculative_decode(model, capture, proposer, list(prompt), cfg.max_new_tokens, k, eos_ids)
+                    mismatches += run.tokens != reference.tokens
+                    runs.setdefault((method, k), []).append(run)
+    finally:
+        capture.close()
+    if mismatches:
+        logger.warning("%d speculative decodes differ from plain greedy decoding (numerical ties?)", mismatches)
+
+    work = store.work_dir("evaluation", provenance.key)
+    results = [_summary(method, k, r) for (method, k), r in runs.items()]
+    report = {"results": results, "tau_sim": checkpoint.tau_sim, "mismatches": mismatches}
+    (work / "report.json").write_text(json.dumps({k: v for k, v in report.items()}, indent=2, default=float))
+    return store.publish(
+        work,
+        EvalManifest(
+            **provenance.model_dump(),
+            path=work,
+            num_prompts=len(prompts),
+            num_tokens=sum(len(r.tokens) for r in reference_runs),
+            tau_sim=checkpoint.tau_sim,
+            results=results,
+            greedy_tokens_per_s=sum(len(r.tokens) for r in reference_runs) / sum(r.seconds for r in reference_runs),
+            mismatches=mismatches,
+            seconds=clock(),
+        ),
+    )

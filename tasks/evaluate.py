@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_table_artifact
+
+from eagle3 import evaluate as step
+from eagle3.config import EvalConfig
+from eagle3.export import ExportManifest
+from eagle3.extract_hidden_states import HiddenStatesManifest
+from eagle3.store import ArtifactStore, step_provenance
+from eagle3.verifier import VerifierManifest
+from tasks.cache import step_cache_policy
+from tasks.report import publish_step_report
+
+
+@task(name="evaluate", cache_policy=step_cache_policy(step), persist_result=True)
+def evaluate_task(
+    store_dir: str,
+    cfg: EvalConfig,
+    checkpoint: ExportManifest,
+    hidden_states: HiddenStatesManifest,
+    verifier: VerifierManifest,
+    prompts: Path,
+) -> step.EvalManifest:
+    store = ArtifactStore(store_dir)
+    provenance = step_provenance(step, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts)
+    manifest = step.evaluate(cfg, checkpoint, hidden_states, verifier, prompts, store, provenance)
+    create_table_artifact(
+        key="acceptance-length",
+        table=[{**r, "acceptance_by_position": [round(a, 3) for a in r["acceptance_by_position"]]} for r in manifest.results],
+        description=f"measured tau (tau_sim {manifest.tau_sim:.3f}); plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s",
+    )
+    publish_step_report(manifest, {"num_prompts": manifest.num_prompts, "num_tokens": manifest.num_tokens, "mismatches": manifest.mismatches})
+    return manifest

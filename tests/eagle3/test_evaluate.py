@@ -1,0 +1,134 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import SAMPLE, write_jsonl
+from eagle3.config import DatasetConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
+from eagle3.evaluate import evaluate, load_draft, read_prompts
+from eagle3.export import export_checkpoint
+from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_states
+from eagle3.prepare_dataset import prepare_dataset
+from eagle3.speculative import Eagle3Proposer, NgramProposer, greedy_decode, speculative_decode
+from eagle3.store import ArtifactError, ArtifactStore, Provenance
+from eagle3.train import train_draft
+from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
+from eagle3.vocab_mapping import build_vocab_mapping
+
+AUX = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_verifier, tmp_path_factory):
+    store = ArtifactStore(tmp_path_factory.mktemp("store"))
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)
+    dataset = prepare_dataset(DatasetConfig(max_seq_len=256), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
+    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX), dataset, verifier, store, Provenance())
+    vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=512), dataset, verifier.vocab_size, store, Provenance())
+    draft = train_draft(TrainConfig(epochs=2, lr=1e-3, total_seq_len=512), dataset, hidden, vocab, verifier, store, Provenance())
+    checkpoint = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
+    return store, verifier, hidden, checkpoint
+
+
+@pytest.fixture(scope="module")
+def verifier_model(exported):
+    _, verifier, _, _ = exported
+    model = load_text_model(verifier.path, torch.float64, "cpu")
+    capture = HiddenStateCapture(model.get_decoder(), AUX)
+    yield model, capture
+    capture.close()
+
+
+PROMPT = [1, 200, 300, 400, 500, 600, 700]
+
+
+class OracleProposer:
+    """Proposes the reference continuation: every draft must be accepted."""
+
+    def __init__(self, reference, prompt_len):
+        self.reference, self.prompt_len = reference, prompt_len
+
+    def reset(self, prompt_len):
+        pass
+
+    def observe(self, aux):
+        pass
+
+    def propose(self, context, k):
+        done = len(context) - self.prompt_len
+        return self.reference[done : done + k]
+
+
+def test_speculative_output_equals_plain_greedy_for_every_proposer(exported, verifier_model):
+    store, verifier, hidden, checkpoint = exported
+    model, capture = verifier_model
+    draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double())
+    reference = greedy_decode(model, PROMPT, 40, set())
+    hf = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, eos_token_id=None)[0, len(PROMPT):]
+
+    assert reference.tokens == hf.tolist()
+    for proposer in (draft, NgramProposer()):
+        for k in (1, 3, 5):
+            run = speculative_decode(model, capture, proposer, PROMPT, 40, k, set())
+            assert run.tokens == reference.tokens, (type(proposer).__name__, k)
+
+
+def test_acceptance_is_counted_per_verifier_pass(verifier_model):
+    model, capture = verifier_model
+    reference = greedy_decode(model, PROMPT, 25, set()).tokens
+
+    oracle = speculative_decode(model, capture, OracleProposer(reference, len(PROMPT)), PROMPT, 25, 4, set())
+    nothing = speculative_decode(model, capture, NgramProposer(max_n=99, min_n=99), PROMPT, 25, 4, set())
+
+    assert oracle.tokens == reference
+    assert oracle.accepted_per_pass[:4] == [4, 4, 4, 4] and oracle.verifier_passes == 5
+    assert nothing.accepted_per_pass == [0] * 24
+
+
+def test_draft_proposals_match_its_training_forward(exported, verifier_model):
+    """The first drafted token equals what the training-time forward predicts at that position."""
+    store, verifier, hidden, checkpoint = exported
+    model, capture = verifier_model
+    draft = load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double()
+    context = PROMPT + [900]
+    with torch.no_grad():
+        model(input_ids=torch.tensor([PROMPT]))
+    aux = capture.stacked()[0, :, :-1]  # [len(PROMPT), 3, H]
+    proposer = Eagle3Proposer(draft)
+    proposer.observe(aux)
+
+    [token] = proposer.propose(context, 1)
+
+    n = len(PROMPT)
+    with torch.no_grad():
+        draft_ids = draft(
+            hidden_states=aux.reshape(1, n, -1), input_ids=torch.tensor([context[1:]]),
+            document_ids=torch.zeros(1, n, dtype=torch.long), position_ids=torch.arange(1, n + 1)[None], ttt_steps=1,
+        )[0]
+    last = int(draft_ids[0, -1])
+    assert token == last + int(draft.d2t[last])
+
+
+def test_evaluate_reports_tau_per_method_and_k(exported):
+    store, verifier, hidden, checkpoint = exported
+    cfg = EvalConfig(num_prompts=2, max_new_tokens=24, ks=[2, 4])
+    prompts = write_jsonl(store.root / "prompts.jsonl", [{"turns": ["What is 2 + 3?", "And 4?"]}, {"question": "Count to five."}])
+
+    manifest = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance())
+
+    assert manifest.mismatches == 0 and manifest.num_prompts == 2
+    assert [(r["method"], r["k"]) for r in manifest.results] == [("eagle3", 2), ("eagle3", 4), ("ngram", 2), ("ngram", 4)]
+    for r in manifest.results:
+        assert 1.0 <= r["tau"] <= r["k"] + 1
+        assert len(r["acceptance_by_position"]) == r["k"]
+        assert r["tau"] == pytest.approx(1 + sum(r["acceptance_by_position"]))
+    assert json.loads((manifest.path / "report.json").read_text())["results"] == manifest.results
+
+
+def test_prompt_file_without_a_prompt_field_names_the_record(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"text": "b"}])
+
+    with pytest.raises(ArtifactError, match=r"p\.jsonl: record 1: no prompt field"):
+        read_prompts(path, 5)

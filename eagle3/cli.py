@@ -21,18 +21,38 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run the pipeline (default: SmolLM2-135M on a bundled sample, on CPU)")
     run.add_argument("--config", help="YAML file shaped like PipelineConfig")
     run.add_argument("overrides", nargs="*", help="key.sub=value, e.g. train.lr=1e-4 verifier.path=./my-model")
+    limit = commands.add_parser("gpu-limit", help="create or resize the Prefect 'gpu' concurrency limit GPU steps claim")
+    limit.add_argument("--gpus", type=int, help="slots (default: the GPUs this host sees)")
     return parser
+
+
+def _gpu_limit(gpus: int | None) -> int:
+    import torch
+    from prefect.client.orchestration import get_client
+
+    from tasks.gpu import GPU_LIMIT
+
+    count = torch.cuda.device_count() if gpus is None else gpus
+    if count < 1:
+        print("eagle3: no GPU seen and --gpus not given; CPU runs claim nothing", file=sys.stderr)
+        return 2
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, count)
+    print(f"Prefect concurrency limit '{GPU_LIMIT}': {count} slot(s)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if args.command == "gpu-limit":
+        return _gpu_limit(args.gpus)
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.train_draft import train_eagle3_draft
 
     result = train_eagle3_draft(config)

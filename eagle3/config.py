@@ -75,6 +75,9 @@ class ExtractConfig(_Group):
     prefill_batch_tokens: int = Field(
         8192, ge=1, description="Token budget of one prefill batch (padded).", json_schema_extra=_NO_KEY
     )
+    min_prefill_batch_tokens: int = Field(
+        256, ge=1, description="Out-of-memory back-off halves the budget down to this, then fails.", json_schema_extra=_NO_KEY
+    )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.", json_schema_extra=_NO_KEY)
 
     @field_validator("aux_layer_ids")

@@ -14,7 +14,10 @@ storage 8*H bytes per token (SmolLM2-135M: 4.6 KB/token).
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
+import os
 from pathlib import Path
 
 import torch
@@ -33,6 +36,13 @@ __all__ = [
     "hidden_state_files", "resolve_aux_layer_ids", "resolve_device", "verify_shard"]
 
 
+logger = logging.getLogger(__name__)
+
+# Test hook: raise the real torch.OutOfMemoryError for any prefill batch above this many padded
+# tokens, so the back-off path runs deterministically without a GPU.
+FAULT_OOM_ENV = "EAGLE3_FAULT_OOM_ABOVE_TOKENS"
+
+
 class HiddenStatesManifest(ArtifactManifest):
     kind: str = "hidden_states"
     aux_layer_ids: list[int]
@@ -40,6 +50,7 @@ class HiddenStatesManifest(ArtifactManifest):
     num_records: int
     num_tokens: int
     shards: list[str]
+    backoffs: list[dict] = []
 
 
 def resolve_device(device: str) -> torch.device:
@@ -142,6 +153,9 @@ def _extract_shard(decoder, capture, shard_dir, indices, input_ids, budget, devi
     lengths = {i: len(input_ids[i]) for i in indices}
     for batch in _batches(indices, lengths, budget):
         width = lengths[batch[0]]
+        limit = os.environ.get(FAULT_OOM_ENV)
+        if limit and len(batch) * width > int(limit):
+            raise torch.OutOfMemoryError(f"simulated out of memory: {len(batch) * width} padded tokens > {FAULT_OOM_ENV}={limit}")
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
         for row, i in enumerate(batch):
@@ -157,6 +171,29 @@ def _extract_shard(decoder, capture, shard_dir, indices, input_ids, budget, devi
             )
             tmp.replace(_hs_path(shard_dir, i))
             progress.update(lengths[i])
+
+
+def _free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _back_off(budget: int, minimum: int, backoffs: list[dict], shard: str, message: str, capture, device) -> int:
+    """Halve the prefill budget after an out-of-memory error, or give up below `minimum`."""
+    capture.states.clear()
+    _free_memory(device)
+    tried = [b["prefill_batch_tokens"] for b in backoffs] + [budget]
+    if budget // 2 < minimum:
+        raise RuntimeError(
+            f"extraction ran out of memory in {shard} at every prefill batch size tried "
+            f"(extract.prefill_batch_tokens = {tried}) down to extract.min_prefill_batch_tokens = {minimum}: "
+            f"{message}. Finished shards are kept. Lower dataset.max_seq_len or min_prefill_batch_tokens, "
+            "or use a device with more memory."
+        )
+    backoffs.append({"shard": shard, "prefill_batch_tokens": budget, "retry_with": budget // 2, "error": message})
+    logger.warning("out of memory in %s at prefill_batch_tokens=%d; retrying the shard with %d", shard, budget, budget // 2)
+    return budget // 2
 
 
 def extract_hidden_states(
@@ -185,6 +222,7 @@ def extract_hidden_states(
     names = [f"shard-{k:05d}" for k in range(len(shards))]
     todo = [k for k, name in enumerate(names) if not (work / name / "done.json").exists()]
 
+    backoffs: list[dict] = []
     if todo:
         device = resolve_device(cfg.device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -192,21 +230,31 @@ def extract_hidden_states(
         decoder = model.get_decoder()
         capture = HiddenStateCapture(decoder, aux)
         total = sum(len(input_ids[i]) for k in todo for i in shards[k])
+        budget = cfg.prefill_batch_tokens
         try:
             with tqdm(total=total, desc="extract hidden states", unit="tok") as progress:
-                for k in todo:
+                while todo:
+                    k = todo[0]
                     shard_dir = work / names[k]
                     shard_dir.mkdir(exist_ok=True)
-                    _extract_shard(decoder, capture, shard_dir, shards[k], input_ids, cfg.prefill_batch_tokens, device, progress)
+                    done_before, oom = progress.n, None
+                    try:
+                        _extract_shard(decoder, capture, shard_dir, shards[k], input_ids, budget, device, progress)
+                    except torch.OutOfMemoryError as exc:
+                        oom = str(exc).splitlines()[0]
+                    if oom is not None:  # outside the except block, so the error's frames are freed
+                        budget = _back_off(budget, cfg.min_prefill_batch_tokens, backoffs, names[k], oom, capture, device)
+                        progress.update(done_before - progress.n)
+                        continue
                     verify_shard(shard_dir, {i: input_ids[i] for i in shards[k]}, len(aux) + 1, verifier.hidden_size)
                     atomic_write_text(shard_dir / "done.json", json.dumps({"records": [shards[k][0], shards[k][-1]]}))
+                    todo.pop(0)
                     if on_progress is not None:
                         on_progress(progress.n, total)
         finally:
             capture.close()
             del model, decoder
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            _free_memory(device)
 
     return store.publish(
         work,
@@ -218,6 +266,7 @@ def extract_hidden_states(
             num_records=len(input_ids),
             num_tokens=sum(map(len, input_ids)),
             shards=names,
+            backoffs=backoffs,
             seconds=clock(),
         ),
     )

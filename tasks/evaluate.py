@@ -12,6 +12,7 @@ from eagle3.extract_hidden_states import HiddenStatesManifest
 from eagle3.store import ArtifactStore, step_provenance
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
+from tasks.gpu import claim_gpus
 from tasks.report import publish_step_report
 
 
@@ -26,7 +27,8 @@ def evaluate_task(
 ) -> step.EvalManifest:
     store = ArtifactStore(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts)
-    manifest = step.evaluate(cfg, checkpoint, hidden_states, verifier, prompts, store, provenance)
+    with claim_gpus(cfg.device):
+        manifest = step.evaluate(cfg, checkpoint, hidden_states, verifier, prompts, store, provenance)
     create_table_artifact(
         key="acceptance-length",
         table=[{**r, "acceptance_by_position": [round(a, 3) for a in r["acceptance_by_position"]]} for r in manifest.results],

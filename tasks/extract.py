@@ -8,6 +8,7 @@ from eagle3.prepare_dataset import DatasetManifest
 from eagle3.store import ArtifactStore, step_provenance
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
+from tasks.gpu import claim_gpus
 from tasks.report import Progress, publish_step_report
 
 
@@ -17,8 +18,9 @@ def extract_hidden_states_task(
 ) -> step.HiddenStatesManifest:
     store = ArtifactStore(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, dataset=dataset, verifier=verifier)
-    manifest = step.extract_hidden_states(
-        cfg, dataset, verifier, store, provenance, on_progress=Progress("extract hidden states (tokens)")
-    )
+    with claim_gpus(cfg.device):
+        manifest = step.extract_hidden_states(
+            cfg, dataset, verifier, store, provenance, on_progress=Progress("extract hidden states (tokens)")
+        )
     publish_step_report(manifest, manifest.model_dump(include={"aux_layer_ids", "num_records", "num_tokens", "shards"}))
     return manifest

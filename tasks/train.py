@@ -10,6 +10,7 @@ from eagle3.store import ArtifactStore, step_provenance
 from eagle3.verifier import VerifierManifest
 from eagle3.vocab_mapping import VocabManifest
 from tasks.cache import step_cache_policy
+from tasks.gpu import claim_gpus
 from tasks.report import Progress, publish_step_report
 
 
@@ -24,8 +25,9 @@ def train_draft_task(
 ) -> step.DraftManifest:
     store = ArtifactStore(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, dataset=dataset, hidden_states=hidden_states, vocab=vocab, verifier=verifier)
-    manifest = step.train_draft(
-        cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)")
-    )
+    with claim_gpus(cfg.device):
+        manifest = step.train_draft(
+            cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)")
+        )
     publish_step_report(manifest, {"num_steps": manifest.num_steps, "tau_sim": round(manifest.tau_sim, 4)})
     return manifest

@@ -6,7 +6,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, VerifierConfig
-from eagle3.extract_hidden_states import extract_hidden_states, hidden_state_files, verify_shard
+from eagle3.extract_hidden_states import FAULT_OOM_ENV, extract_hidden_states, hidden_state_files, verify_shard
 from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
@@ -123,3 +123,26 @@ def test_nested_verifier_loads_its_text_decoder(tiny_nested_verifier, tmp_path):
     assert "language_model" in key
     torch.testing.assert_close(model.model.layers[1].mlp.up_proj.weight, expected)
     assert load_file(hidden_state_files(manifest)[3])["hidden_states"].shape[1:] == (4, 64)
+
+
+def test_out_of_memory_halves_the_prefill_batch_and_retries_the_shard(prepared, monkeypatch):
+    store, verifier, dataset = prepared
+    longest = max(load_dataset_table(dataset).column("seq_len").to_pylist())
+    direct = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=512), dataset, verifier, store, Provenance(config={"oom": 0}))
+    monkeypatch.setenv(FAULT_OOM_ENV, "600")
+
+    manifest = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=4096), dataset, verifier, store, Provenance(config={"oom": 1}))
+
+    assert [(b["prefill_batch_tokens"], b["retry_with"]) for b in manifest.backoffs] == [(4096, 2048), (2048, 1024), (1024, 512)]
+    assert "simulated out of memory" in manifest.backoffs[0]["error"]
+    assert longest <= 512
+    assert manifest.digest == direct.digest
+
+
+def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried(prepared, monkeypatch):
+    store, verifier, dataset = prepared
+    monkeypatch.setenv(FAULT_OOM_ENV, "8")
+    cfg = ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=2048, min_prefill_batch_tokens=512)
+
+    with pytest.raises(RuntimeError, match=r"shard-00000 .*prefill_batch_tokens = \[2048, 1024, 512\]\) down to extract.min_prefill_batch_tokens = 512"):
+        extract_hidden_states(cfg, dataset, verifier, store, Provenance(config={"oom": 2}))

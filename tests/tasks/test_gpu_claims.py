@@ -1,0 +1,63 @@
+"""GPU claims against a real Prefect server (the claim itself needs no GPU)."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+
+import pytest
+
+from eagle3.cli import main
+from tasks.gpu import GPU_LIMIT, claim_gpus
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def no_gpu_limit(prefect_server):
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    def delete():
+        with get_client(sync_client=True) as client:
+            try:
+                client.delete_global_concurrency_limit_by_name(GPU_LIMIT)
+            except ObjectNotFound:
+                pass
+
+    delete()
+    yield
+    delete()
+
+
+def test_claiming_without_the_limit_is_an_error_naming_the_fix(no_gpu_limit):
+    with pytest.raises(RuntimeError, match=r"concurrency limit 'gpu'.*`eagle3 gpu-limit`"):
+        with claim_gpus("cuda"):
+            pass
+
+
+def test_claims_on_one_gpu_slot_never_overlap(no_gpu_limit):
+    assert main(["gpu-limit", "--gpus", "1"]) == 0
+    spans = []
+
+    def hold():
+        with claim_gpus("cuda"):
+            start = time.monotonic()
+            time.sleep(1.5)
+            spans.append((start, time.monotonic()))
+
+    # Each thread runs in a copy of this context, which holds the test server's Prefect settings.
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(hold,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+
+    (a_start, a_end), (b_start, b_end) = sorted(spans)
+    assert b_start >= a_end
+
+
+def test_cpu_steps_claim_nothing(no_gpu_limit):
+    with claim_gpus("cpu"):
+        pass

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = [
@@ -170,6 +169,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pi
         ConfigError: the file is unreadable or not YAML, an override is malformed, or any value
             fails validation (all problems are reported at once).
     """
+    import yaml
+
     tree: dict[str, Any] = {}
     if path is not None:
         try:

@@ -3,25 +3,30 @@
 For each sample i, `shard-KKKKK/hs_{i}.safetensors` holds speculators' format:
 `hidden_states` [seq, 4, H] bf16 (3 aux layers, then the final pre-norm state) and `token_ids`
 [seq] int64. Samples are grouped `records_per_shard` to a shard; a shard counts as done only
-once every file in it has been read back and checked (token ids match, values finite, shape),
-which `done.json` records. A killed run resumes at the first unfinished shard.
+once every file in it has been checked (values finite before writing; fields, shape and token ids
+as written), which `done.json` records. A killed run resumes at the first unfinished shard.
 
 Samples are sorted by length and padded into prefill batches of at most `prefill_batch_tokens`
 (padded) tokens; right padding under a causal mask leaves the real tokens' states unchanged,
-so results match batch size 1 within bf16 rounding. Cost: one verifier forward per token;
-storage 8*H bytes per token (SmolLM2-135M: 4.6 KB/token).
+so results match batch size 1 within bf16 rounding. Host copies and file writes run on worker
+threads while the device computes the next batch. Cost: one verifier forward per token; storage
+8*H bytes per token (SmolLM2-135M: 4.6 KB/token; Llama-3.1-8B: 32 KB/token).
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import logging
 import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save
 from tqdm import tqdm
 
 from eagle3.config import ConfigError, ExtractConfig
@@ -129,27 +134,96 @@ def _hs_path(shard_dir: Path, index: int) -> Path:
     return shard_dir / f"hs_{index}.safetensors"
 
 
+def _non_finite_per_slot(states: torch.Tensor) -> torch.Tensor:
+    """[batch, seq, slots, H] -> [batch, slots] counts of NaN/Inf, computed where the states are."""
+    return (~torch.isfinite(states)).sum(dim=(1, 3))
+
+
+def _check_finite(path: Path, non_finite: torch.Tensor) -> None:
+    if non_finite.any():
+        raise ArtifactError(path, f"field 'hidden_states': non-finite values per layer slot {non_finite.tolist()}")
+
+
 def verify_shard(shard_dir: Path, expected: dict[int, list[int]], num_slots: int, hidden_size: int) -> None:
-    """Read back every file of a shard; raise ArtifactError naming the file and field on any defect."""
+    """Check every file of a shard as written: fields, shape and token ids (values were checked
+    finite before writing); raise ArtifactError naming the file and field on any defect."""
     for index, token_ids in expected.items():
         path = _hs_path(shard_dir, index)
         if not path.exists():
             raise ArtifactError(path, "missing")
-        data = load_file(path)
-        hs, ids = data.get("hidden_states"), data.get("token_ids")
-        if hs is None or ids is None:
-            raise ArtifactError(path, f"fields 'hidden_states' and 'token_ids' expected, found {sorted(data)}")
-        if tuple(hs.shape) != (len(token_ids), num_slots, hidden_size):
-            raise ArtifactError(path, f"field 'hidden_states': shape {tuple(hs.shape)}, expected {(len(token_ids), num_slots, hidden_size)}")
+        with safe_open(path, "pt") as f:
+            if set(f.keys()) != {"hidden_states", "token_ids"}:
+                raise ArtifactError(path, f"fields 'hidden_states' and 'token_ids' expected, found {sorted(f.keys())}")
+            shape = tuple(f.get_slice("hidden_states").get_shape())
+            ids = f.get_tensor("token_ids")
+        if shape != (len(token_ids), num_slots, hidden_size):
+            raise ArtifactError(path, f"field 'hidden_states': shape {shape}, expected {(len(token_ids), num_slots, hidden_size)}")
         if ids.tolist() != token_ids:
             raise ArtifactError(path, "field 'token_ids' does not match the prepared dataset record")
-        if not torch.isfinite(hs).all():
-            bad = (~torch.isfinite(hs)).sum(dim=(0, 2)).tolist()
-            raise ArtifactError(path, f"field 'hidden_states': non-finite values per layer slot {bad}")
+
+
+class _OverlappedWriter:
+    """Copies each batch's states to the host and writes its files on worker threads, so the
+    device computes the next batch meanwhile. On CUDA the copy runs on its own stream; at most
+    `max_pending` batches are in flight (each holds its states in device memory until copied)."""
+
+    def __init__(self, device: torch.device, workers: int = 4, max_pending: int = 2):
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="hs-writer")
+        self.pending: deque[Future] = deque()
+        self.max_pending = max_pending
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.digests: dict[Path, str] = {}  # sha256 of each file, hashed from memory as written
+
+    def submit(self, states: torch.Tensor, rows: list[tuple[Path, torch.Tensor]]) -> None:
+        """`states` [batch, seq, 4, H] on the device; `rows`: (path, token ids) per batch row."""
+        non_finite = _non_finite_per_slot(states)
+        event = None
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record()
+            states.record_stream(self.stream)
+            non_finite.record_stream(self.stream)
+        self.pending.append(self.pool.submit(self._write, states, non_finite, event, rows))
+        while len(self.pending) > self.max_pending:
+            self.pending.popleft().result()
+
+    def _write(self, states: torch.Tensor, non_finite: torch.Tensor, event, rows) -> None:
+        if self.stream is not None:
+            # Pinned destination: a copy to pageable memory cannot overlap the next batch's
+            # kernels. torch's pinned allocator caches the blocks, so this is allocated once.
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(event)
+                host = torch.empty(states.shape, dtype=torch.bfloat16, pin_memory=True)
+                host.copy_(states, non_blocking=True)
+                non_finite = non_finite.cpu()
+            self.stream.synchronize()
+        else:
+            host = states.to(torch.bfloat16)
+        for row, (path, token_ids) in enumerate(rows):
+            _check_finite(path, non_finite[row])
+            payload = save({"hidden_states": host[row, : len(token_ids)].contiguous(), "token_ids": token_ids})
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_bytes(payload)
+            tmp.replace(path)
+            self.digests[path] = hashlib.sha256(payload).hexdigest()
+
+    def drain(self) -> None:
+        """Wait for every pending write; re-raise the first failure."""
+        errors = []
+        while self.pending:
+            try:
+                self.pending.popleft().result()
+            except Exception as exc:  # noqa: BLE001  (collected, the first is re-raised)
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 @torch.inference_mode()
-def _extract_shard(decoder, capture, shard_dir, indices, input_ids, budget, device, progress) -> None:
+def _extract_shard(decoder, capture, writer, shard_dir, indices, input_ids, budget, device, progress) -> None:
     lengths = {i: len(input_ids[i]) for i in indices}
     for batch in _batches(indices, lengths, budget):
         width = lengths[batch[0]]
@@ -162,15 +236,10 @@ def _extract_shard(decoder, capture, shard_dir, indices, input_ids, budget, devi
             ids[row, : lengths[i]] = torch.tensor(input_ids[i])
             mask[row, : lengths[i]] = 1
         decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-        states = capture.stacked().to("cpu", torch.bfloat16)
-        for row, i in enumerate(batch):
-            tmp = shard_dir / f".hs_{i}.tmp"
-            save_file(
-                {"hidden_states": states[row, : lengths[i]].contiguous(), "token_ids": ids[row, : lengths[i]].clone()},
-                tmp,
-            )
-            tmp.replace(_hs_path(shard_dir, i))
-            progress.update(lengths[i])
+        writer.submit(capture.stacked(), [(_hs_path(shard_dir, i), ids[row, : lengths[i]].clone()) for row, i in enumerate(batch)])
+        capture.states.clear()
+        progress.update(sum(lengths[i] for i in batch))
+    writer.drain()
 
 
 def _free_memory(device: torch.device) -> None:
@@ -179,9 +248,10 @@ def _free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _back_off(budget: int, minimum: int, backoffs: list[dict], shard: str, message: str, capture, device) -> int:
+def _back_off(budget: int, minimum: int, backoffs: list[dict], shard: str, message: str, capture, writer, device) -> int:
     """Halve the prefill budget after an out-of-memory error, or give up below `minimum`."""
     capture.states.clear()
+    writer.drain()  # the shard is redone from its start; no old write may land after a new one
     _free_memory(device)
     tried = [b["prefill_batch_tokens"] for b in backoffs] + [budget]
     if budget // 2 < minimum:
@@ -229,6 +299,7 @@ def extract_hidden_states(
         model = load_text_model(verifier.path, dtype, device)
         decoder = model.get_decoder()
         capture = HiddenStateCapture(decoder, aux)
+        writer = _OverlappedWriter(device)
         total = sum(len(input_ids[i]) for k in todo for i in shards[k])
         budget = cfg.prefill_batch_tokens
         try:
@@ -239,23 +310,30 @@ def extract_hidden_states(
                     shard_dir.mkdir(exist_ok=True)
                     done_before, oom = progress.n, None
                     try:
-                        _extract_shard(decoder, capture, shard_dir, shards[k], input_ids, budget, device, progress)
+                        _extract_shard(decoder, capture, writer, shard_dir, shards[k], input_ids, budget, device, progress)
                     except torch.OutOfMemoryError as exc:
                         oom = str(exc).splitlines()[0]
                     if oom is not None:  # outside the except block, so the error's frames are freed
-                        budget = _back_off(budget, cfg.min_prefill_batch_tokens, backoffs, names[k], oom, capture, device)
+                        budget = _back_off(budget, cfg.min_prefill_batch_tokens, backoffs, names[k], oom, capture, writer, device)
                         progress.update(done_before - progress.n)
                         continue
                     verify_shard(shard_dir, {i: input_ids[i] for i in shards[k]}, len(aux) + 1, verifier.hidden_size)
-                    atomic_write_text(shard_dir / "done.json", json.dumps({"records": [shards[k][0], shards[k][-1]]}))
+                    done = {"records": [shards[k][0], shards[k][-1]]}
+                    done["sha256"] = {p.name: writer.digests[p] for p in sorted(writer.digests) if p.parent == shard_dir}
+                    atomic_write_text(shard_dir / "done.json", json.dumps(done, indent=0))
                     todo.pop(0)
                     if on_progress is not None:
                         on_progress(progress.n, total)
         finally:
+            writer.close()
             capture.close()
             del model, decoder
             _free_memory(device)
 
+    known = {}  # digests recorded as the files were written, also by an interrupted earlier run
+    for name in names:
+        for file, digest in json.loads((work / name / "done.json").read_text())["sha256"].items():
+            known[work / name / file] = digest
     return store.publish(
         work,
         HiddenStatesManifest(
@@ -269,6 +347,7 @@ def extract_hidden_states(
             backoffs=backoffs,
             seconds=clock(),
         ),
+        known_digests=known,
     )
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3 import cpu_compat
+from eagle3 import trainer_compat
 from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest, hidden_state_files, resolve_device
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
@@ -157,9 +157,9 @@ def train_draft(
             "draft_vocab_size": vocab.draft_vocab_size,
             "num_layers": cfg.num_layers,
             "full_attention_indices": list(range(cfg.num_layers)),
-            "draft_attn_impl": cpu_compat.draft_attn_impl(device),
+            "draft_attn_impl": trainer_compat.draft_attn_impl(device),
             "loss_fn": cfg.loss_fn,
-            "loss_implementation": cpu_compat.loss_implementation(device),
+            "loss_implementation": trainer_compat.loss_implementation(device),
             "ttt_steps": cfg.ttt_steps,
             "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
             "optimizer": cfg.optimizer,
@@ -231,7 +231,7 @@ def train_draft(
         if on_step is not None and "train" in record:
             on_step(record["global_step"] + 1, total_steps, record["train"])
 
-    with cpu_compat.trainer_class(device) as trainer_cls, _collect_metrics(metrics_log, on_record):
+    with trainer_compat.trainer_class(device) as trainer_cls, _collect_metrics(metrics_log, on_record):
         trainer_cls(model, trainer_config, train_loader, val_loader).run_training()
 
     last_epoch = max(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())

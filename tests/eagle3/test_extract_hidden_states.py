@@ -6,7 +6,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, VerifierConfig
-from eagle3.extract_hidden_states import FAULT_OOM_ENV, extract_hidden_states, hidden_state_files, verify_shard
+from eagle3.extract_hidden_states import FAULT_OOM_ENV, _check_finite, _non_finite_per_slot, extract_hidden_states, hidden_state_files, verify_shard
 from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
@@ -146,3 +146,14 @@ def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried(prepared, monk
 
     with pytest.raises(RuntimeError, match=r"shard-00000 .*prefill_batch_tokens = \[2048, 1024, 512\]\) down to extract.min_prefill_batch_tokens = 512"):
         extract_hidden_states(cfg, dataset, verifier, store, Provenance(config={"oom": 2}))
+
+
+def test_non_finite_states_are_refused_naming_file_and_layer_slot(tmp_path):
+    states = torch.zeros(2, 5, 4, 8)  # [batch, seq, slots, H]
+    states[1, 2, 1, 3] = float("nan")
+
+    counts = _non_finite_per_slot(states)
+
+    _check_finite(tmp_path / "hs_6.safetensors", counts[0])
+    with pytest.raises(ArtifactError, match=r"hs_7\.safetensors: field 'hidden_states': non-finite values per layer slot \[0, 1, 0, 0\]"):
+        _check_finite(tmp_path / "hs_7.safetensors", counts[1])

@@ -7,7 +7,7 @@ import speculators.train.checkpointer as checkpointer_module
 import speculators.train.trainer as trainer_module
 import torch
 
-from eagle3 import cpu_compat
+from eagle3 import trainer_compat
 from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
 from eagle3.export import export_checkpoint, validate_checkpoint
 from eagle3.extract_hidden_states import extract_hidden_states
@@ -109,8 +109,8 @@ def test_validate_checkpoint_names_the_wrong_field(inputs, draft, tmp_path):
 def test_cpu_adaptation_is_undone_on_exit():
     saved = trainer_module._StepTimer, checkpointer_module.get_current_device
 
-    with cpu_compat.trainer_class(torch.device("cpu")) as trainer_cls:
-        assert trainer_cls is cpu_compat.CpuTrainer
+    with trainer_compat.trainer_class(torch.device("cpu")) as trainer_cls:
+        assert trainer_cls is trainer_compat.CpuTrainer
         assert checkpointer_module.get_current_device() == "cpu"
 
     assert (trainer_module._StepTimer, checkpointer_module.get_current_device) == saved

@@ -1,6 +1,10 @@
-"""Run speculators' `Trainer` on a machine without an accelerator.
+"""Adaptations that let speculators' `Trainer` run where this project runs it; nowhere else.
 
-speculators 0.9.0 assumes one in three places, each adapted here and nowhere else:
+GPU: under torch 2.11's compile the fused loss's forward and backward Triton autotuners share one
+configs list and the first step crashes ("ListVariable ... is already tracked for mutation");
+giving the backward kernel its own list fixes it.
+
+CPU: speculators 0.9.0 assumes an accelerator in three places:
 `Trainer.setup_model`/`train_epoch` move the model and batches to `local_rank` (0, i.e. cuda:0);
 its step timer calls `torch.accelerator.synchronize()`; and the checkpointer loads resume state onto
 `get_current_device()`, which answers "cuda:0" when there is no accelerator. Attention and loss
@@ -57,10 +61,17 @@ class CpuTrainer(Trainer):
         """Trainer.__init__ assigns the distributed local rank; on CPU the device is fixed."""
 
 
+def _separate_fused_loss_autotune_configs() -> None:
+    from speculators.losses import fused
+
+    fused.loss_backward_kernel.configs = fused._tile_configs()  # noqa: SLF001
+
+
 @contextmanager
 def trainer_class(device: torch.device) -> Iterator[type[Trainer]]:
     """The Trainer class to use on `device`, with speculators' accelerator assumptions lifted for CPU."""
     if device.type != "cpu":
+        _separate_fused_loss_autotune_configs()
         yield Trainer
         return
     saved = trainer_module._StepTimer, checkpointer_module.get_current_device  # noqa: SLF001

@@ -1,0 +1,226 @@
+"""Hidden-state extraction throughput on one GPU: the pipeline's extraction step against its parts.
+
+    python bench/gpu_throughput.py                 # Llama-3.1-8B shape, random weights, 2048-token samples
+    python bench/gpu_throughput.py --layers 4      # a quick smoke run
+
+Measures, on the same random-weight verifier and the same packed data:
+- `compute`: forward passes with the hidden-state hooks only (tokens/s, model FLOPs utilisation
+  = 2 x params x tokens / time / measured bf16 matmul peak);
+- `pipeline`: `eagle3.extract_hidden_states` end to end (device-to-host copy, safetensors
+  writes, verification), minus the verifier load time measured separately;
+- per batch: compute, device-to-host copy and file-write seconds, to show where time goes;
+- `naive`: one sample per forward with `output_hidden_states`, copied and written synchronously;
+- `disk`: safetensors writes of bf16 tensors with fsync (GB/s).
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3.config import ExtractConfig  # noqa: E402
+from eagle3.extract_hidden_states import HiddenStateCapture, _batches, extract_hidden_states  # noqa: E402
+from eagle3.prepare_dataset import DatasetManifest  # noqa: E402
+from eagle3.store import ArtifactStore, Provenance  # noqa: E402
+from eagle3.verifier import VerifierManifest, load_text_model  # noqa: E402
+
+
+def _sync_time() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def matmul_peak_tflops(n: int = 8192, repeats: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start = _sync_time()
+        a @ b
+        times.append(_sync_time() - start)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def build_verifier(root: Path, layers: int) -> VerifierManifest:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(root)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache()
+    manifest = VerifierManifest(path=root, num_hidden_layers=layers, hidden_size=4096, vocab_size=128256, nested=False)
+    return manifest, params
+
+
+def build_dataset(root: Path, samples: int, seq_len: int) -> DatasetManifest:
+    root.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128000, (samples, seq_len), generator=g).tolist()
+    pq.write_table(
+        pa.table({"input_ids": ids, "loss_mask": [[1] * seq_len] * samples, "seq_len": [seq_len] * samples,
+                  "record_id": [str(i) for i in range(samples)]}),
+        root / "data-00000.parquet",
+    )
+    return DatasetManifest(path=root, num_records=samples, num_tokens=samples * seq_len, num_supervised_tokens=0,
+                           num_truncated=0, dropped={}, files=["data-00000.parquet"])
+
+
+@torch.inference_mode()
+def compute_only(model, aux, ids: list[list[int]], budget: int) -> float:
+    """Tokens/s of the hooked forward passes alone, at the pipeline's batch shapes."""
+    decoder = model.get_decoder()
+    capture = HiddenStateCapture(decoder, aux)
+    lengths = {i: len(x) for i, x in enumerate(ids)}
+    batches = _batches(list(lengths), lengths, budget)
+    run = lambda batch: decoder(input_ids=torch.tensor([ids[i] for i in batch], device="cuda"), use_cache=False)  # noqa: E731
+    run(batches[0])
+    start = _sync_time()
+    for batch in batches:
+        run(batch)
+        states = capture.stacked()
+    elapsed = _sync_time() - start
+    capture.close()
+    return sum(lengths.values()) / elapsed, states
+
+
+def per_batch_costs(states: torch.Tensor, out: Path) -> dict[str, float]:
+    """Seconds to copy one batch's states to the host, and to write its files, one thread."""
+    out.mkdir(parents=True)
+    start = _sync_time()
+    host = states.to("cpu", torch.bfloat16)
+    copy_s = _sync_time() - start
+    start = time.perf_counter()
+    for row in range(host.shape[0]):
+        save_file({"hidden_states": host[row].contiguous()}, out / f"b{row}.safetensors")
+    return {"copy_s": copy_s, "write_s": time.perf_counter() - start, "bytes": host.numel() * 2}
+
+
+@torch.inference_mode()
+def naive(model, aux, ids: list[list[int]], out: Path) -> float:
+    """One sample per forward, `output_hidden_states`, synchronous copy and write."""
+    out.mkdir(parents=True)
+    start = _sync_time()
+    for i, sample in enumerate(ids):
+        hs = model(input_ids=torch.tensor([sample], device="cuda"), output_hidden_states=True).hidden_states
+        states = torch.stack([hs[k] for k in aux] + [hs[-1]], dim=2)[0].cpu()
+        save_file({"hidden_states": states, "token_ids": torch.tensor(sample)}, out / f"hs_{i}.safetensors")
+    elapsed = _sync_time() - start
+    return sum(map(len, ids)) / elapsed
+
+
+def disk_write_gbps(out: Path, total_gb: float = 2.0, file_mb: int = 64) -> float:
+    out.mkdir(parents=True)
+    tensor = torch.randn(file_mb * 2**20 // 2, dtype=torch.bfloat16)
+    count = int(total_gb * 1024 / file_mb)
+    start = time.perf_counter()
+    for i in range(count):
+        path = out / f"w{i}.safetensors"
+        save_file({"x": tensor}, path)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+    return count * file_mb / 1024 / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=192)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--prefill-batch-tokens", type=int, default=16384)
+    parser.add_argument("--workdir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--json", default=None, help="also write the JSON result here")
+    args = parser.parse_args()
+
+    root = Path(tempfile.mkdtemp(dir=args.workdir))
+    peak = matmul_peak_tflops()
+    verifier, params = build_verifier(root / "verifier", args.layers)
+    dataset = build_dataset(root / "dataset", args.samples, args.seq_len)
+    ids = pq.read_table(dataset.path / dataset.files[0]).column("input_ids").to_pylist()
+    tokens = args.samples * args.seq_len
+    n = args.layers
+    aux = [2, n // 2, n - 3]
+
+    start = time.perf_counter()
+    model = load_text_model(verifier.path, torch.bfloat16, torch.device("cuda"))
+    load_s = time.perf_counter() - start
+    compute_tps, last_states = compute_only(model, aux, ids, args.prefill_batch_tokens)
+    costs = per_batch_costs(last_states, root / "one-batch")
+    batch_compute_s = last_states.shape[0] * last_states.shape[1] / compute_tps
+    del last_states
+    naive_tps = naive(model, aux, ids, root / "naive")
+    del model
+    torch.cuda.empty_cache()
+
+    cfg = ExtractConfig(aux_layer_ids=aux, records_per_shard=args.samples, device="cuda",
+                        prefill_batch_tokens=args.prefill_batch_tokens)
+    start = time.perf_counter()
+    manifest = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(root / "store"), Provenance())
+    pipeline_s = time.perf_counter() - start
+    pipeline_tps = tokens / (pipeline_s - load_s)  # the step loads the verifier again: not extraction time
+    disk = disk_write_gbps(root / "disk")
+    bytes_per_token = 4 * 4096 * 2
+
+    result = {
+        "git_sha": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
+        "shape": {"layers": n, "hidden": 4096, "params": params, "samples": args.samples, "seq_len": args.seq_len,
+                  "prefill_batch_tokens": args.prefill_batch_tokens},
+        "matmul_peak_tflops": peak,
+        "verifier_load_s": load_s,
+        "compute_tok_s": compute_tps, "compute_mfu": 2 * params * compute_tps / (peak * 1e12),
+        "pipeline_tok_s": pipeline_tps, "pipeline_mfu": 2 * params * pipeline_tps / (peak * 1e12),
+        "pipeline_total_s": pipeline_s, "pipeline_vs_naive": pipeline_tps / naive_tps,
+        "naive_tok_s": naive_tps,
+        "per_batch_s": {"compute": batch_compute_s, "host_copy": costs["copy_s"], "file_writes_one_thread": costs["write_s"]},
+        "batch_bytes": costs["bytes"],
+        "hidden_state_gb_s_needed_at_compute_rate": compute_tps * bytes_per_token / 1e9,
+        "disk_write_gb_s": disk,
+        "tokens": tokens, "backoffs": len(manifest.backoffs),
+    }
+    rows = [
+        ("bf16 matmul peak", f"{peak:.0f} TFLOP/s"),
+        ("compute only (hooks)", f"{compute_tps:,.0f} tok/s  MFU {result['compute_mfu']:.3f}"),
+        ("pipeline extraction", f"{pipeline_tps:,.0f} tok/s  MFU {result['pipeline_mfu']:.3f}"),
+        ("naive one-at-a-time", f"{naive_tps:,.0f} tok/s"),
+        ("pipeline / naive", f"{result['pipeline_vs_naive']:.2f}x"),
+        ("one batch: compute / copy / write", f"{batch_compute_s * 1e3:.0f} / {costs['copy_s'] * 1e3:.0f} / {costs['write_s'] * 1e3:.0f} ms "
+         f"({costs['bytes'] / 1e9:.2f} GB)"),
+        ("hidden states at compute rate", f"{result['hidden_state_gb_s_needed_at_compute_rate']:.2f} GB/s"),
+        ("disk write (fsync)", f"{disk:.2f} GB/s"),
+    ]
+    print(f"{result['device']}, {n} layers x H4096 ({params / 1e9:.2f} B params), {args.samples} x {args.seq_len} tokens")
+    for name, value in rows:
+        print(f"  {name:<32} {value}")
+    line = json.dumps(result)
+    print(line)
+    if args.json:
+        Path(args.json).write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""GPU code paths (run on a GPU host: pytest -m gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import SAMPLE
+from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
+from eagle3.evaluate import load_draft
+from eagle3.export import export_checkpoint
+from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_states, hidden_state_files
+from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
+from eagle3.speculative import Eagle3Proposer, greedy_decode, speculative_decode
+from eagle3.store import ArtifactStore, Provenance
+from eagle3.train import train_draft
+from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
+from eagle3.vocab_mapping import build_vocab_mapping
+
+pytestmark = pytest.mark.gpu
+AUX = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def steps(tiny_verifier, tmp_path_factory):
+    store = ArtifactStore(tmp_path_factory.mktemp("store"))
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)
+    dataset = prepare_dataset(DatasetConfig(max_seq_len=256), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
+    return store, verifier, dataset
+
+
+def test_gpu_extraction_matches_cpu(steps):
+    store, verifier, dataset = steps
+
+    gpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, store, Provenance(config={"d": "cuda"}))
+    cpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cpu"), dataset, verifier, store, Provenance(config={"d": "cpu"}))
+
+    a, b = hidden_state_files(gpu), hidden_state_files(cpu)
+    for i in a:
+        torch.testing.assert_close(load_file(a[i])["hidden_states"].float(), load_file(b[i])["hidden_states"].float(), atol=0.1, rtol=0.05)
+
+
+def test_gpu_training_with_flex_attention_and_fused_loss_exports_and_decodes(steps):
+    store, verifier, dataset = steps
+    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, store, Provenance(config={"d": "cuda"}))
+    vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=512), dataset, verifier.vocab_size, store, Provenance())
+
+    draft = train_draft(TrainConfig(epochs=2, lr=1e-3, total_seq_len=512, device="cuda"), dataset, hidden, vocab, verifier, store, Provenance())
+    checkpoint = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
+
+    assert draft.num_steps > 0 and draft.tau_sim >= 1.0
+    model = load_text_model(verifier.path, torch.float32, "cuda")
+    capture = HiddenStateCapture(model.get_decoder(), AUX)
+    proposer = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cuda")).float())
+    prompt = load_dataset_table(dataset).column("input_ids")[0].as_py()[:40]
+    reference = greedy_decode(model, prompt, 32, set())
+    assert speculative_decode(model, capture, proposer, prompt, 32, 3, set()).tokens == reference.tokens

@@ -23,7 +23,30 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", help="key.sub=value, e.g. train.lr=1e-4 verifier.path=./my-model")
     limit = commands.add_parser("gpu-limit", help="create or resize the Prefect 'gpu' concurrency limit GPU steps claim")
     limit.add_argument("--gpus", type=int, help="slots (default: the GPUs this host sees)")
+    lineage = commands.add_parser("lineage", help="print where an artifact came from (Mermaid graph), from the store alone")
+    lineage.add_argument("digest", help="artifact digest or a unique prefix of it")
+    lineage.add_argument("--store", help="artifact store directory (default: PipelineConfig's store_dir)")
+    lineage.add_argument("--table", action="store_true", help="print a table instead of a Mermaid graph")
     return parser
+
+
+def _lineage(args) -> int:
+    from eagle3.config import PipelineConfig
+    from eagle3.lineage import find_artifact, lineage, lineage_table, to_mermaid
+    from eagle3.store import ArtifactError, ArtifactStore
+
+    store = ArtifactStore(args.store or PipelineConfig().store_dir)
+    try:
+        nodes = lineage(store, [find_artifact(store, args.digest)])
+    except ArtifactError as exc:
+        print(f"eagle3: {exc}", file=sys.stderr)
+        return 2
+    if args.table:
+        for row in lineage_table(nodes):
+            print(f"{row['kind']:<14} {row['digest']}  {row['parents']}")
+    else:
+        print(to_mermaid(nodes))
+    return 0
 
 
 def _gpu_limit(gpus: int | None) -> int:
@@ -48,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if args.command == "gpu-limit":
         return _gpu_limit(args.gpus)
+    if args.command == "lineage":
+        return _lineage(args)
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as exc:

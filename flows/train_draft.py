@@ -14,6 +14,7 @@ from eagle3.verifier import verifier_source
 from tasks.evaluate import evaluate_task
 from tasks.export import export_checkpoint_task
 from tasks.extract import extract_hidden_states_task
+from tasks.lineage import publish_lineage_task
 from tasks.prepare import prepare_dataset_task
 from tasks.train import train_draft_task
 from tasks.verifier import resolve_verifier_task
@@ -37,4 +38,5 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
     draft = train_draft_task(store, config.train, dataset, hidden_states, vocab, verifier)
     checkpoint = export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
     evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, eval_prompts_source(config.evaluate))
+    publish_lineage_task(store, [verifier, dataset, hidden_states, vocab, draft, checkpoint, evaluation])
     return PipelineResult(checkpoint=checkpoint, evaluation=evaluation)

@@ -1,10 +1,15 @@
 """Extract hidden states: run the verifier over every prepared sample and keep what the draft reads.
 
-For each sample i, `shard-KKKKK/hs_{i}.safetensors` holds speculators' format:
-`hidden_states` [seq, 4, H] bf16 (3 aux layers, then the final pre-norm state) and `token_ids`
-[seq] int64. Samples are grouped `records_per_shard` to a shard; a shard counts as done only
-once every file in it has been checked (values finite before writing; fields, shape and token ids
-as written), which `done.json` records. A killed run resumes at the first unfinished shard.
+Samples are grouped `records_per_shard` to a shard, in dataset order. A shard is content-addressed:
+its key hashes the verifier digest, the aux layer ids, this module's code version and the token
+ids of its samples, and it lives in the store's `shards/<key>/` where any run can reuse it. So
+appending records to a dataset extracts only the new (and the last, now longer) shards, and a
+killed run resumes at the first unfinished shard. Shard files `hs_{j}.safetensors` (j: position in
+the shard) hold speculators' format: `hidden_states` [seq, 4, H] bf16 (3 aux layers, then the
+final pre-norm state) and `token_ids` [seq] int64. A shard is written under `<key>.partial/` and
+renamed into place only once every file has been checked (values finite before writing; fields,
+shape and token ids as written). The artifact itself is `shards.json`: each shard's key, first
+record and file digests.
 
 Samples are sorted by length and padded into prefill batches of at most `prefill_batch_tokens`
 (padded) tokens; right padding under a causal mask leaves the real tokens' states unchanged,
@@ -20,25 +25,32 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import sys
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from pydantic import Field
 from safetensors import safe_open
 from safetensors.torch import save
 from tqdm import tqdm
 
 from eagle3.config import ConfigError, ExtractConfig
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
-from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_text
+from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_text, code_version
 from eagle3.verifier import VerifierManifest, load_text_model
 
 __all__ = [
     "HiddenStateCapture",
     "HiddenStatesManifest",
     "extract_hidden_states",
-    "hidden_state_files", "resolve_aux_layer_ids", "resolve_device", "verify_shard"]
+    "hidden_state_files",
+    "resolve_aux_layer_ids",
+    "resolve_device",
+    "verify_shard",
+]
 
 
 logger = logging.getLogger(__name__)
@@ -54,7 +66,9 @@ class HiddenStatesManifest(ArtifactManifest):
     hidden_size: int
     num_records: int
     num_tokens: int
-    shards: list[str]
+    shards: list[dict] = Field(description="per shard: key, first_record, num_records")
+    extracted_shards: int
+    reused_shards: int
     backoffs: list[dict] = []
 
 
@@ -144,10 +158,10 @@ def _check_finite(path: Path, non_finite: torch.Tensor) -> None:
         raise ArtifactError(path, f"field 'hidden_states': non-finite values per layer slot {non_finite.tolist()}")
 
 
-def verify_shard(shard_dir: Path, expected: dict[int, list[int]], num_slots: int, hidden_size: int) -> None:
+def verify_shard(shard_dir: Path, expected: list[list[int]], num_slots: int, hidden_size: int) -> None:
     """Check every file of a shard as written: fields, shape and token ids (values were checked
     finite before writing); raise ArtifactError naming the file and field on any defect."""
-    for index, token_ids in expected.items():
+    for index, token_ids in enumerate(expected):
         path = _hs_path(shard_dir, index)
         if not path.exists():
             raise ArtifactError(path, "missing")
@@ -236,7 +250,8 @@ def _extract_shard(decoder, capture, writer, shard_dir, indices, input_ids, budg
             ids[row, : lengths[i]] = torch.tensor(input_ids[i])
             mask[row, : lengths[i]] = 1
         decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-        writer.submit(capture.stacked(), [(_hs_path(shard_dir, i), ids[row, : lengths[i]].clone()) for row, i in enumerate(batch)])
+        rows = [(_hs_path(shard_dir, i - indices[0]), ids[row, : lengths[i]].clone()) for row, i in enumerate(batch)]
+        writer.submit(capture.stacked(), rows)
         capture.states.clear()
         progress.update(sum(lengths[i] for i in batch))
     writer.drain()
@@ -266,6 +281,13 @@ def _back_off(budget: int, minimum: int, backoffs: list[dict], shard: str, messa
     return budget // 2
 
 
+def _shard_key(verifier: VerifierManifest, aux: list[int], version: str, samples: list[list[int]]) -> str:
+    h = hashlib.sha256(json.dumps([verifier.digest, aux, version]).encode())
+    for token_ids in samples:
+        h.update(json.dumps(token_ids).encode())
+    return h.hexdigest()
+
+
 def extract_hidden_states(
     cfg: ExtractConfig,
     dataset: DatasetManifest,
@@ -274,9 +296,9 @@ def extract_hidden_states(
     provenance: Provenance,
     on_progress=None,
 ) -> HiddenStatesManifest:
-    """Write verified hidden-state shards for every record of `dataset`, then publish them.
+    """Extract every shard of `dataset` not already in the store, then publish the shard list.
 
-    `on_progress(tokens_done, tokens_total)` is called after each shard.
+    `on_progress(tokens_done, tokens_total)` is called after each extracted shard.
 
     Raises:
         ConfigError: aux layer ids out of range for the verifier.
@@ -284,13 +306,15 @@ def extract_hidden_states(
     """
     clock = Stopwatch()
     aux = resolve_aux_layer_ids(cfg.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
-    table = load_dataset_table(dataset)
-    input_ids: list[list[int]] = table.column("input_ids").to_pylist()
-    work = store.work_dir("hidden_states", provenance.key)
-    shard_size = cfg.records_per_shard
-    shards = [list(range(s, min(s + shard_size, len(input_ids)))) for s in range(0, len(input_ids), shard_size)]
-    names = [f"shard-{k:05d}" for k in range(len(shards))]
-    todo = [k for k, name in enumerate(names) if not (work / name / "done.json").exists()]
+    input_ids: list[list[int]] = load_dataset_table(dataset).column("input_ids").to_pylist()
+    size = cfg.records_per_shard
+    shards = [list(range(s, min(s + size, len(input_ids)))) for s in range(0, len(input_ids), size)]
+    version = code_version(sys.modules[__name__])
+    keys = [_shard_key(verifier, aux, version, [input_ids[i] for i in shard]) for shard in shards]
+    shard_root = store.root / "shards"
+    shard_root.mkdir(exist_ok=True)
+    todo = [k for k, key in enumerate(keys) if not (shard_root / key / "done.json").exists()]
+    extracted = len(todo)
 
     backoffs: list[dict] = []
     if todo:
@@ -306,21 +330,23 @@ def extract_hidden_states(
             with tqdm(total=total, desc="extract hidden states", unit="tok") as progress:
                 while todo:
                     k = todo[0]
-                    shard_dir = work / names[k]
-                    shard_dir.mkdir(exist_ok=True)
+                    partial = shard_root / f"{keys[k]}.partial"
+                    if partial.exists():
+                        shutil.rmtree(partial)  # left by a killed run: the shard is the unit of resume
+                    partial.mkdir()
                     done_before, oom = progress.n, None
                     try:
-                        _extract_shard(decoder, capture, writer, shard_dir, shards[k], input_ids, budget, device, progress)
+                        _extract_shard(decoder, capture, writer, partial, shards[k], input_ids, budget, device, progress)
                     except torch.OutOfMemoryError as exc:
                         oom = str(exc).splitlines()[0]
                     if oom is not None:  # outside the except block, so the error's frames are freed
-                        budget = _back_off(budget, cfg.min_prefill_batch_tokens, backoffs, names[k], oom, capture, writer, device)
+                        budget = _back_off(budget, cfg.min_prefill_batch_tokens, backoffs, f"shard {k}", oom, capture, writer, device)
                         progress.update(done_before - progress.n)
                         continue
-                    verify_shard(shard_dir, {i: input_ids[i] for i in shards[k]}, len(aux) + 1, verifier.hidden_size)
-                    done = {"records": [shards[k][0], shards[k][-1]]}
-                    done["sha256"] = {p.name: writer.digests[p] for p in sorted(writer.digests) if p.parent == shard_dir}
-                    atomic_write_text(shard_dir / "done.json", json.dumps(done, indent=0))
+                    verify_shard(partial, [input_ids[i] for i in shards[k]], len(aux) + 1, verifier.hidden_size)
+                    digests = {p.name: writer.digests.pop(p) for p in sorted(writer.digests) if p.parent == partial}
+                    atomic_write_text(partial / "done.json", json.dumps({"sha256": digests}, indent=0))
+                    os.replace(partial, shard_root / keys[k])
                     todo.pop(0)
                     if on_progress is not None:
                         on_progress(progress.n, total)
@@ -330,10 +356,13 @@ def extract_hidden_states(
             del model, decoder
             _free_memory(device)
 
-    known = {}  # digests recorded as the files were written, also by an interrupted earlier run
-    for name in names:
-        for file, digest in json.loads((work / name / "done.json").read_text())["sha256"].items():
-            known[work / name / file] = digest
+    listing = [
+        {"key": key, "first_record": shard[0], "num_records": len(shard),
+         "sha256": json.loads((shard_root / key / "done.json").read_text())["sha256"]}
+        for key, shard in zip(keys, shards)
+    ]
+    work = store.work_dir("hidden_states", provenance.key)
+    atomic_write_text(work / "shards.json", json.dumps(listing, indent=0))
     return store.publish(
         work,
         HiddenStatesManifest(
@@ -343,18 +372,20 @@ def extract_hidden_states(
             hidden_size=verifier.hidden_size,
             num_records=len(input_ids),
             num_tokens=sum(map(len, input_ids)),
-            shards=names,
+            shards=[{k: v for k, v in entry.items() if k != "sha256"} for entry in listing],
+            extracted_shards=extracted,
+            reused_shards=len(keys) - extracted,
             backoffs=backoffs,
             seconds=clock(),
         ),
-        known_digests=known,
     )
 
 
 def hidden_state_files(manifest: HiddenStatesManifest) -> dict[int, Path]:
-    """Sample index -> its hidden-state file, across shards."""
+    """Sample index -> its hidden-state file, across the shared shard directories."""
+    shard_root = Path(manifest.path).parent.parent / "shards"  # <store>/artifacts/<digest> -> <store>/shards
     files = {}
-    for name in manifest.shards:
-        for path in (Path(manifest.path) / name).glob("hs_*.safetensors"):
-            files[int(path.stem.removeprefix("hs_"))] = path
+    for shard in manifest.shards:
+        for j in range(shard["num_records"]):
+            files[shard["first_record"] + j] = _hs_path(shard_root / shard["key"], j)
     return files

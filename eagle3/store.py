@@ -149,14 +149,12 @@ class ArtifactStore:
         atomic_write_text(memo_path, json.dumps(memo, indent=0))
         return digest
 
-    def publish(self, work: Path, manifest: M, known_digests: dict[Path, str] | None = None) -> M:
+    def publish(self, work: Path, manifest: M) -> M:
         """Turn a finished work directory into an artifact named by its content digest.
 
         `manifest` comes with everything but `digest`, `path` and `num_bytes`, which are filled here.
-        `known_digests` (path -> sha256, computed as the files were written) spares re-reading them.
         """
-        known = known_digests or {}
-        digest = digest_tree(work, lambda p: known.get(p) or digest_file(p))
+        digest = digest_tree(work)
         final = self.artifact_dir(digest)
         num_bytes = sum(p.stat().st_size for p in _files(work))
         manifest = manifest.model_copy(update={"digest": digest, "path": final, "num_bytes": num_bytes})

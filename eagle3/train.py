@@ -66,7 +66,7 @@ def _speculators_data_dir(root: Path, dataset: DatasetManifest, hidden_states: H
     if len(files) != table.num_rows:
         raise ArtifactError(hidden_states.path, f"{len(files)} hidden-state files for {table.num_rows} records")
     for index, path in files.items():
-        os.symlink(path, links / path.name)
+        os.symlink(path, links / f"hs_{index}.safetensors")
     return data_dir
 
 

@@ -22,5 +22,8 @@ def extract_hidden_states_task(
         manifest = step.extract_hidden_states(
             cfg, dataset, verifier, store, provenance, on_progress=Progress("extract hidden states (tokens)")
         )
-    publish_step_report(manifest, manifest.model_dump(include={"aux_layer_ids", "num_records", "num_tokens", "shards"}))
+    publish_step_report(
+        manifest,
+        manifest.model_dump(include={"aux_layer_ids", "num_records", "num_tokens", "extracted_shards", "reused_shards", "backoffs"}),
+    )
     return manifest

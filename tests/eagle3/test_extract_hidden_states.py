@@ -30,11 +30,11 @@ def _all_states(manifest) -> dict[int, torch.Tensor]:
     return {i: load_file(p)["hidden_states"] for i, p in hidden_state_files(manifest).items()}
 
 
-def test_packed_batches_match_batch_size_one(prepared):
-    store, verifier, dataset = prepared
+def test_packed_batches_match_batch_size_one(prepared, tmp_path):
+    _, verifier, dataset = prepared
 
-    one = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=1), dataset, verifier, store, Provenance(config={"b": 1}))
-    packed = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=4096), dataset, verifier, store, Provenance(config={"b": 2}))
+    one = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=1), dataset, verifier, ArtifactStore(tmp_path / "a"), Provenance())
+    packed = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=4096), dataset, verifier, ArtifactStore(tmp_path / "b"), Provenance())
 
     a, b = _all_states(one), _all_states(packed)
     assert sorted(a) == list(range(dataset.num_records))
@@ -71,8 +71,9 @@ def test_default_aux_ids_need_enough_layers(prepared):
         extract_hidden_states(ExtractConfig(), dataset, verifier, store, Provenance())
 
 
-def test_killed_extraction_resumes_at_the_first_unfinished_shard(prepared):
-    store, verifier, dataset = prepared
+def test_killed_extraction_resumes_at_the_first_unfinished_shard(prepared, tmp_path):
+    _, verifier, dataset = prepared
+    store = ArtifactStore(tmp_path)
     cfg = ExtractConfig(aux_layer_ids=AUX, records_per_shard=8)
     provenance = Provenance(config={"resume": True})
 
@@ -84,15 +85,16 @@ def test_killed_extraction_resumes_at_the_first_unfinished_shard(prepared):
 
     with pytest.raises(Killed):
         extract_hidden_states(cfg, dataset, verifier, store, provenance, on_progress=die_after_first_shard)
-    work = store.work_dir("hidden_states", provenance.key)
-    first_shard = {p.name: p.stat().st_mtime_ns for p in (work / "shard-00000").iterdir()}
+    [finished] = [p for p in (store.root / "shards").iterdir() if not p.name.endswith(".partial")]
+    first_shard = {p.name: p.stat().st_mtime_ns for p in finished.iterdir()}
     calls = []
 
     resumed = extract_hidden_states(cfg, dataset, verifier, store, provenance, on_progress=lambda d, t: calls.append((d, t)))
 
     assert len(calls) == 2  # shards 1 and 2 of 3
-    assert {p.name: p.stat().st_mtime_ns for p in (resumed.path / "shard-00000").iterdir()} == first_shard
-    fresh = extract_hidden_states(cfg, dataset, verifier, store, Provenance(config={"fresh": True}))
+    assert (resumed.extracted_shards, resumed.reused_shards) == (2, 1)
+    assert {p.name: p.stat().st_mtime_ns for p in finished.iterdir()} == first_shard
+    fresh = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "fresh"), Provenance())
     assert fresh.digest == resumed.digest
 
 
@@ -103,7 +105,7 @@ def test_verify_shard_names_file_and_field_on_mismatch(prepared, tmp_path):
     save_file({"hidden_states": data["hidden_states"], "token_ids": data["token_ids"] + 1}, tmp_path / "hs_0.safetensors")
 
     with pytest.raises(ArtifactError, match=r"hs_0\.safetensors: field 'token_ids' does not match"):
-        verify_shard(tmp_path, {0: data["token_ids"].tolist()}, 4, verifier.hidden_size)
+        verify_shard(tmp_path, [data["token_ids"].tolist()], 4, verifier.hidden_size)
 
 
 def test_nested_verifier_loads_its_text_decoder(tiny_nested_verifier, tmp_path):
@@ -125,13 +127,13 @@ def test_nested_verifier_loads_its_text_decoder(tiny_nested_verifier, tmp_path):
     assert load_file(hidden_state_files(manifest)[3])["hidden_states"].shape[1:] == (4, 64)
 
 
-def test_out_of_memory_halves_the_prefill_batch_and_retries_the_shard(prepared, monkeypatch):
-    store, verifier, dataset = prepared
+def test_out_of_memory_halves_the_prefill_batch_and_retries_the_shard(prepared, monkeypatch, tmp_path):
+    _, verifier, dataset = prepared
     longest = max(load_dataset_table(dataset).column("seq_len").to_pylist())
-    direct = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=512), dataset, verifier, store, Provenance(config={"oom": 0}))
+    direct = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=512), dataset, verifier, ArtifactStore(tmp_path / "a"), Provenance())
     monkeypatch.setenv(FAULT_OOM_ENV, "600")
 
-    manifest = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=4096), dataset, verifier, store, Provenance(config={"oom": 1}))
+    manifest = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=4096), dataset, verifier, ArtifactStore(tmp_path / "b"), Provenance())
 
     assert [(b["prefill_batch_tokens"], b["retry_with"]) for b in manifest.backoffs] == [(4096, 2048), (2048, 1024), (1024, 512)]
     assert "simulated out of memory" in manifest.backoffs[0]["error"]
@@ -139,12 +141,13 @@ def test_out_of_memory_halves_the_prefill_batch_and_retries_the_shard(prepared, 
     assert manifest.digest == direct.digest
 
 
-def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried(prepared, monkeypatch):
-    store, verifier, dataset = prepared
+def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried(prepared, monkeypatch, tmp_path):
+    _, verifier, dataset = prepared
+    store = ArtifactStore(tmp_path)
     monkeypatch.setenv(FAULT_OOM_ENV, "8")
     cfg = ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=2048, min_prefill_batch_tokens=512)
 
-    with pytest.raises(RuntimeError, match=r"shard-00000 .*prefill_batch_tokens = \[2048, 1024, 512\]\) down to extract.min_prefill_batch_tokens = 512"):
+    with pytest.raises(RuntimeError, match=r"shard 0 .*prefill_batch_tokens = \[2048, 1024, 512\]\) down to extract.min_prefill_batch_tokens = 512"):
         extract_hidden_states(cfg, dataset, verifier, store, Provenance(config={"oom": 2}))
 
 
@@ -157,3 +160,25 @@ def test_non_finite_states_are_refused_naming_file_and_layer_slot(tmp_path):
     _check_finite(tmp_path / "hs_6.safetensors", counts[0])
     with pytest.raises(ArtifactError, match=r"hs_7\.safetensors: field 'hidden_states': non-finite values per layer slot \[0, 1, 0, 0\]"):
         _check_finite(tmp_path / "hs_7.safetensors", counts[1])
+
+
+def test_appending_records_extracts_only_the_new_shards(tiny_verifier, tmp_path):
+    from conftest import SAMPLE
+
+    store = ArtifactStore(tmp_path / "store")
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)
+    tokenizer = load_tokenizer(verifier.path)
+    lines = SAMPLE.read_text().splitlines(keepends=True)
+    data = tmp_path / "growing.jsonl"
+    cfg = ExtractConfig(aux_layer_ids=AUX, records_per_shard=8)
+    data.write_text("".join(lines[:20]))
+    first = extract_hidden_states(cfg, prepare_dataset(DatasetConfig(), data, tokenizer, store, Provenance(config={"v": 1})), verifier, store, Provenance(config={"v": 1}))
+    data.write_text("".join(lines[:36]))
+
+    grown = extract_hidden_states(cfg, prepare_dataset(DatasetConfig(), data, tokenizer, store, Provenance(config={"v": 2})), verifier, store, Provenance(config={"v": 2}))
+
+    assert (first.extracted_shards, first.reused_shards) == (3, 0)
+    # records 0-15 fill shards 0-1 unchanged; shard 2 grew from 4 to 8 records; shards 3-4 are new
+    assert (grown.extracted_shards, grown.reused_shards) == (3, 2)
+    assert [s["key"] for s in grown.shards[:2]] == [s["key"] for s in first.shards[:2]]
+    assert sorted(hidden_state_files(grown)) == list(range(36))

@@ -30,11 +30,12 @@ def steps(tiny_verifier, tmp_path_factory):
     return store, verifier, dataset
 
 
-def test_gpu_extraction_matches_cpu(steps):
-    store, verifier, dataset = steps
+def test_gpu_extraction_matches_cpu(steps, tmp_path):
+    _, verifier, dataset = steps
 
-    gpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, store, Provenance(config={"d": "cuda"}))
-    cpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cpu"), dataset, verifier, store, Provenance(config={"d": "cpu"}))
+    # Separate stores: the device is not part of a shard's key, so one store would reuse the shards.
+    gpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, ArtifactStore(tmp_path / "gpu"), Provenance())
+    cpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cpu"), dataset, verifier, ArtifactStore(tmp_path / "cpu"), Provenance())
 
     a, b = hidden_state_files(gpu), hidden_state_files(cpu)
     for i in a:

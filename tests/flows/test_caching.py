@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from conftest import SAMPLE
 from eagle3.config import PipelineConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -92,3 +93,19 @@ def test_editing_the_dataset_in_place_reruns_everything_downstream(first_run, co
 
     assert states == {"resolve-verifier": "Cached", **dict.fromkeys(STEPS[1:], "Completed")}
     assert result.digest != first.digest
+
+
+def test_appending_records_extracts_only_the_new_shard(first_run, conversations):
+    from eagle3.extract_hidden_states import HiddenStatesManifest
+    from eagle3.store import ArtifactStore
+
+    config, first = first_run
+    more = "".join(SAMPLE.read_text().splitlines(keepends=True)[40:48])
+    conversations.write_text(conversations.read_text() + more)
+
+    result, states = _run(config)
+
+    assert states == {"resolve-verifier": "Cached", **dict.fromkeys(STEPS[1:], "Completed")}
+    hidden = ArtifactStore(config.store_dir).load(HiddenStatesManifest, result.parents["hidden_states"])
+    # 40 records in shards of 16 -> 48 records: shards 0-1 are reused, only shard 2 (now 16 records) is extracted
+    assert (hidden.num_records, hidden.extracted_shards, hidden.reused_shards) == (48, 1, 2)

@@ -19,6 +19,7 @@ __all__ = [
     "ExportConfig",
     "ExtractConfig",
     "PipelineConfig",
+    "RegenerateConfig",
     "TrainConfig",
     "VerifierConfig",
     "VocabConfig",
@@ -62,6 +63,22 @@ class DatasetConfig(_Group):
     )
     max_seq_len: int = Field(2048, ge=16, description="Tokens kept per conversation (longer ones are truncated).")
     max_records: int | None = Field(None, ge=1, description="Use only the first N records (None: all).")
+
+
+class RegenerateConfig(_Group):
+    enabled: bool = Field(
+        False,
+        description="Replace the dataset's assistant turns with the verifier's own answers before "
+        "training: the biggest single lever on acceptance length.",
+    )
+    max_records: int | None = Field(None, ge=1, description="Regenerate only the first N records (None: all).")
+    max_new_tokens: int = Field(256, ge=1, description="Tokens generated per assistant turn at most.")
+    temperature: float = Field(0.0, ge=0, description="0: greedy decoding; above 0: sampling.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (when sampling).")
+    seed: int = Field(0, description="Sampling seed.")
+    strip_thinking: bool = Field(True, description="Drop <think>...</think> blocks from generated answers.")
+    batch_size: int = Field(16, ge=1, description="Conversations generated together.", json_schema_extra=_NO_KEY)
+    device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.", json_schema_extra=_NO_KEY)
 
 
 class ExtractConfig(_Group):
@@ -135,6 +152,7 @@ class PipelineConfig(BaseModel):
     )
     verifier: VerifierConfig = VerifierConfig()
     dataset: DatasetConfig = DatasetConfig()
+    regenerate: RegenerateConfig = RegenerateConfig()
     extract: ExtractConfig = ExtractConfig()
     vocab: VocabConfig = VocabConfig()
     train: TrainConfig = TrainConfig()

@@ -1,5 +1,5 @@
-"""The pipeline as one Prefect flow:
-verifier -> dataset -> hidden states + vocab mapping -> draft -> checkpoint -> evaluation."""
+"""The pipeline as one Prefect flow: verifier -> (regenerated answers) -> dataset ->
+hidden states + vocab mapping -> draft -> checkpoint -> evaluation."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from eagle3.config import PipelineConfig
 from eagle3.evaluate import EvalManifest, eval_prompts_source
 from eagle3.export import ExportManifest
 from eagle3.prepare_dataset import dataset_source
+from eagle3.regenerate import regenerated_conversations
 from eagle3.verifier import verifier_source
 from tasks.evaluate import evaluate_task
 from tasks.export import export_checkpoint_task
 from tasks.extract import extract_hidden_states_task
 from tasks.lineage import publish_lineage_task
 from tasks.prepare import prepare_dataset_task
+from tasks.regenerate import regenerate_task
 from tasks.train import train_draft_task
 from tasks.verifier import resolve_verifier_task
 from tasks.vocab import build_vocab_mapping_task
@@ -32,11 +34,16 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
     length; every step is cached by content."""
     store = config.store_dir
     verifier = resolve_verifier_task(store, config.verifier, verifier_source(config.verifier))
-    dataset = prepare_dataset_task(store, config.dataset, dataset_source(config.dataset), verifier)
+    source, regenerated = dataset_source(config.dataset), None
+    if config.regenerate.enabled:
+        regenerated = regenerate_task(store, config.regenerate, source, verifier)
+        source = regenerated_conversations(regenerated)
+    dataset = prepare_dataset_task(store, config.dataset, source, verifier)
     hidden_states = extract_hidden_states_task(store, config.extract, dataset, verifier)
     vocab = build_vocab_mapping_task(store, config.vocab, dataset, verifier)
     draft = train_draft_task(store, config.train, dataset, hidden_states, vocab, verifier)
     checkpoint = export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
     evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, eval_prompts_source(config.evaluate))
-    publish_lineage_task(store, [verifier, dataset, hidden_states, vocab, draft, checkpoint, evaluation])
+    produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, evaluation]
+    publish_lineage_task(store, [m for m in produced if m is not None])
     return PipelineResult(checkpoint=checkpoint, evaluation=evaluation)

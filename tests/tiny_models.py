@@ -71,7 +71,7 @@ def tiny_llama(out: Path, num_layers: int = 4, hidden: int = 64, template: str =
 
 def tiny_llava(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
     """A Llava-style verifier: `text_config` nested in the config, decoder weights under a prefix."""
-    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
     torch.manual_seed(0)
     tokenizer = tiny_tokenizer()
@@ -81,4 +81,5 @@ def tiny_llava(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
                          image_token_index=len(tokenizer) - 1)
     LlavaForConditionalGeneration(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(out)
     return out

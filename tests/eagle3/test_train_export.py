@@ -114,3 +114,20 @@ def test_cpu_adaptation_is_undone_on_exit():
         assert checkpointer_module.get_current_device() == "cpu"
 
     assert (trainer_module._StepTimer, checkpointer_module.get_current_device) == saved
+
+
+def test_nested_verifier_trains_and_exports_with_its_text_vocab(tiny_nested_verifier, tmp_path):
+    from conftest import SAMPLE
+
+    store = ArtifactStore(tmp_path)
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_nested_verifier)), store)
+    dataset = prepare_dataset(DatasetConfig(max_seq_len=128, max_records=16), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
+    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=[1, 2, 3]), dataset, verifier, store, Provenance())
+    vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=256), dataset, verifier.vocab_size, store, Provenance())
+
+    draft = train_draft(TrainConfig(epochs=1, total_seq_len=256), dataset, hidden, vocab, verifier, store, Provenance())
+    manifest = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
+
+    config = json.loads((manifest.path / "config.json").read_text())
+    assert verifier.nested
+    assert config["transformer_layer_config"]["vocab_size"] == verifier.vocab_size == 1024

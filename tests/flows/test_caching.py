@@ -109,3 +109,22 @@ def test_appending_records_extracts_only_the_new_shard(first_run, conversations)
     hidden = ArtifactStore(config.store_dir).load(HiddenStatesManifest, result.parents["hidden_states"])
     # 40 records in shards of 16 -> 48 records: shards 0-1 are reused, only shard 2 (now 16 records) is extracted
     assert (hidden.num_records, hidden.extracted_shards, hidden.reused_shards) == (48, 1, 2)
+
+
+def test_regeneration_feeds_the_verifiers_answers_into_the_dataset(prefect_server, tiny_verifier, conversations, tmp_path):
+    from eagle3.lineage import lineage
+    from eagle3.regenerate import RegeneratedManifest, regenerated_conversations
+    from eagle3.store import ArtifactStore, digest_file
+
+    regenerate = PipelineConfig().regenerate.model_copy(update={"enabled": True, "max_records": 12, "max_new_tokens": 16})
+    config = _config(tmp_path / "store", tiny_verifier, conversations).model_copy(update={"regenerate": regenerate})
+
+    result, states = _run(config)
+
+    assert states == dict.fromkeys(["regenerate", *STEPS], "Completed")
+    store = ArtifactStore(config.store_dir)
+    [regenerated] = [store.load(RegeneratedManifest, p.name) for p in (store.root / "artifacts").iterdir()
+                     if '"kind": "regenerated"' in (p / "manifest.json").read_text()]
+    [dataset] = [n for n in lineage(store, [result.digest]).values() if n["kind"] == "dataset"]
+    assert regenerated.num_records == dataset["num_records"] == 12
+    assert dataset["parents"]["source"] == digest_file(regenerated_conversations(regenerated))

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+
+from eagle3 import regenerate as step
+from eagle3.config import RegenerateConfig
+from eagle3.store import ArtifactStore, step_provenance
+from eagle3.verifier import VerifierManifest
+from tasks.cache import step_cache_policy
+from tasks.gpu import claim_gpus
+from tasks.report import publish_step_report
+
+
+@task(name="regenerate", cache_policy=step_cache_policy(step), persist_result=True)
+def regenerate_task(store_dir: str, cfg: RegenerateConfig, source: Path, verifier: VerifierManifest) -> step.RegeneratedManifest:
+    store = ArtifactStore(store_dir)
+    provenance = step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
+    with claim_gpus(cfg.device):
+        manifest = step.regenerate(cfg, source, verifier, store, provenance)
+    publish_step_report(manifest, {"num_records": manifest.num_records, "num_generated_tokens": manifest.num_generated_tokens,
+                                   "failed": len(manifest.failed)})
+    return manifest

@@ -78,9 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2
+    from eagle3.store import ArtifactError
     from flows.train_draft import train_eagle3_draft
 
-    result = train_eagle3_draft(config)
+    try:
+        result = train_eagle3_draft(config)
+    except (ConfigError, ArtifactError) as exc:
+        # Bad input, not a bug: one line naming the file, record and field; finished steps stay cached.
+        print(f"eagle3: {exc}", file=sys.stderr)
+        return 2
     checkpoint, evaluation = result.checkpoint, result.evaluation
     print(f"checkpoint: {checkpoint.path}")
     print(f"simulated acceptance length (tau_sim): {checkpoint.tau_sim:.3f}")

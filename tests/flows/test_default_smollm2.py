@@ -44,3 +44,18 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     assert {(r["method"], r["k"]) for r in evaluation["results"]} == {("eagle3", 3), ("eagle3", 5), ("ngram", 3), ("ngram", 5)}
     assert all(r["tau"] >= 1.0 for r in evaluation["results"])
     assert "eagle3 k=3: tau" in printed
+
+
+def test_bad_input_exits_2_naming_file_record_and_field(prefect_server, tiny_verifier, tmp_path, capsys):
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}\n')
+
+    code = main(["run", f"store_dir={tmp_path / 'store'}", f"verifier.path={tiny_verifier}", f"dataset.path={data}"])
+
+    assert code == 2
+    assert "chats.jsonl: record 0 (id '0'): field 'messages[1].role': unknown role 'bot'" in capsys.readouterr().err
+
+
+def test_unknown_config_key_exits_2_before_running(capsys):
+    assert main(["run", "train.learning_rate=1"]) == 2
+    assert "train.learning_rate" in capsys.readouterr().err

@@ -27,7 +27,31 @@ def _parser() -> argparse.ArgumentParser:
     lineage.add_argument("digest", help="artifact digest or a unique prefix of it")
     lineage.add_argument("--store", help="artifact store directory (default: PipelineConfig's store_dir)")
     lineage.add_argument("--table", action="store_true", help="print a table instead of a Mermaid graph")
+    artifacts = commands.add_parser("artifacts", help="manage the artifact store")
+    artifact_commands = artifacts.add_subparsers(dest="artifacts_command", required=True)
+    gc = artifact_commands.add_parser("gc", help="remove artifacts and shards the latest N runs did not reach")
+    gc.add_argument("--keep-runs", type=int, default=5, help="recorded runs whose artifacts stay (default 5)")
+    gc.add_argument("--store", help="artifact store directory (default: PipelineConfig's store_dir)")
+    gc.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     return parser
+
+
+def _gc(args) -> int:
+    from eagle3.config import PipelineConfig
+    from eagle3.gc import collect_garbage
+    from eagle3.store import ArtifactError, ArtifactStore
+
+    if args.keep_runs < 1:
+        print("eagle3: --keep-runs must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        result = collect_garbage(ArtifactStore(args.store or PipelineConfig().store_dir), args.keep_runs, args.dry_run)
+    except ArtifactError as exc:
+        print(f"eagle3: {exc}", file=sys.stderr)
+        return 2
+    verb = "would remove" if args.dry_run else "removed"
+    print(f"{verb} {result['removed']} artifacts/shards ({result['bytes'] / 1e6:.1f} MB); kept the latest {result['runs_kept']} runs")
+    return 0
 
 
 def _lineage(args) -> int:
@@ -73,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         return _gpu_limit(args.gpus)
     if args.command == "lineage":
         return _lineage(args)
+    if args.command == "artifacts":
+        return _gc(args)
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as exc:

@@ -9,8 +9,10 @@ from pydantic import BaseModel
 from eagle3.config import PipelineConfig
 from eagle3.evaluate import EvalManifest, eval_prompts_source
 from eagle3.export import ExportManifest
+from eagle3.gc import store_in_use
 from eagle3.prepare_dataset import dataset_source
 from eagle3.regenerate import regenerated_conversations
+from eagle3.store import ArtifactStore
 from eagle3.verifier import verifier_source
 from tasks.evaluate import evaluate_task
 from tasks.export import export_checkpoint_task
@@ -33,17 +35,18 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
     """Train an EAGLE-3 draft for a verifier on a conversation dataset and measure its acceptance
     length; every step is cached by content."""
     store = config.store_dir
-    verifier = resolve_verifier_task(store, config.verifier, verifier_source(config.verifier))
-    source, regenerated = dataset_source(config.dataset), None
-    if config.regenerate.enabled:
-        regenerated = regenerate_task(store, config.regenerate, source, verifier)
-        source = regenerated_conversations(regenerated)
-    dataset = prepare_dataset_task(store, config.dataset, source, verifier)
-    hidden_states = extract_hidden_states_task(store, config.extract, dataset, verifier)
-    vocab = build_vocab_mapping_task(store, config.vocab, dataset, verifier)
-    draft = train_draft_task(store, config.train, dataset, hidden_states, vocab, verifier)
-    checkpoint = export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
-    evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, eval_prompts_source(config.evaluate))
-    produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, evaluation]
-    publish_lineage_task(store, [m for m in produced if m is not None])
+    with store_in_use(ArtifactStore(store)):  # `eagle3 artifacts gc` refuses to run meanwhile
+        verifier = resolve_verifier_task(store, config.verifier, verifier_source(config.verifier))
+        source, regenerated = dataset_source(config.dataset), None
+        if config.regenerate.enabled:
+            regenerated = regenerate_task(store, config.regenerate, source, verifier)
+            source = regenerated_conversations(regenerated)
+        dataset = prepare_dataset_task(store, config.dataset, source, verifier)
+        hidden_states = extract_hidden_states_task(store, config.extract, dataset, verifier)
+        vocab = build_vocab_mapping_task(store, config.vocab, dataset, verifier)
+        draft = train_draft_task(store, config.train, dataset, hidden_states, vocab, verifier)
+        checkpoint = export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
+        evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, eval_prompts_source(config.evaluate))
+        produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, evaluation]
+        publish_lineage_task(store, [m for m in produced if m is not None])
     return PipelineResult(checkpoint=checkpoint, evaluation=evaluation)

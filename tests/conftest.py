@@ -44,6 +44,15 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
+def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str]):
+    """A one-file artifact with the given parents: lineage and gc tests need the graph, not the payload."""
+    from eagle3.store import ArtifactManifest
+
+    work = store.work_dir(kind, content)
+    (work / "data.txt").write_text(content)
+    return store.publish(work, ArtifactManifest(kind=kind, path=work, parents=parents))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,21 +2,16 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import publish_text_artifact
 from eagle3.lineage import find_artifact, lineage, to_mermaid
-from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore
-
-
-def _publish(store: ArtifactStore, kind: str, content: str, parents: dict[str, str]) -> ArtifactManifest:
-    work = store.work_dir(kind, content)
-    (work / "data.txt").write_text(content)
-    return store.publish(work, ArtifactManifest(kind=kind, path=work, parents=parents))
+from eagle3.store import ArtifactError, ArtifactStore
 
 
 def test_lineage_follows_parents_through_the_store_and_marks_inputs(tmp_path):
     store = ArtifactStore(tmp_path)
-    dataset = _publish(store, "dataset", "d", {"source": "f" * 64})
-    vocab = _publish(store, "vocab_mapping", "v", {"dataset": dataset.digest})
-    draft = _publish(store, "draft", "x", {"dataset": dataset.digest, "vocab": vocab.digest})
+    dataset = publish_text_artifact(store, "dataset", "d", {"source": "f" * 64})
+    vocab = publish_text_artifact(store, "vocab_mapping", "v", {"dataset": dataset.digest})
+    draft = publish_text_artifact(store, "draft", "x", {"dataset": dataset.digest, "vocab": vocab.digest})
 
     nodes = lineage(store, [find_artifact(store, draft.digest[:8])])
 
@@ -30,7 +25,7 @@ def test_lineage_follows_parents_through_the_store_and_marks_inputs(tmp_path):
 
 def test_ambiguous_or_unknown_digest_prefix_is_an_error(tmp_path):
     store = ArtifactStore(tmp_path)
-    _publish(store, "dataset", "d", {})
+    publish_text_artifact(store, "dataset", "d", {})
 
     with pytest.raises(ArtifactError, match="matches 0 artifacts"):
         find_artifact(store, "zzzz")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +129,15 @@ def test_regeneration_feeds_the_verifiers_answers_into_the_dataset(prefect_serve
     [dataset] = [n for n in lineage(store, [result.digest]).values() if n["kind"] == "dataset"]
     assert regenerated.num_records == dataset["num_records"] == 12
     assert dataset["parents"]["source"] == digest_file(regenerated_conversations(regenerated))
+
+
+def test_gc_after_a_run_keeps_everything_the_run_reached(first_run):
+    from eagle3.cli import main
+
+    config, first = first_run
+    artifacts = set((Path(config.store_dir) / "artifacts").iterdir())
+
+    assert main(["artifacts", "gc", "--keep-runs", "1", "--store", config.store_dir]) == 0
+
+    assert set((Path(config.store_dir) / "artifacts").iterdir()) == artifacts
+    assert (first.path / "model.safetensors").exists()

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+
+from conftest import publish_text_artifact
+from eagle3.gc import collect_garbage, record_run, store_in_use
+from eagle3.store import ArtifactError, ArtifactStore
+
+
+def test_gc_removes_only_what_the_kept_runs_did_not_reach(tmp_path):
+    store = ArtifactStore(tmp_path)
+    dataset = publish_text_artifact(store, "dataset", "shared", {"source": "f" * 64})
+    old = publish_text_artifact(store, "draft", "old", {"dataset": dataset.digest})
+    new = publish_text_artifact(store, "draft", "new", {"dataset": dataset.digest})
+    record_run(store, "run-1", [old.digest])
+    record_run(store, "run-2", [new.digest])
+
+    result = collect_garbage(store, keep_runs=1)
+
+    assert result["removed"] == 1
+    assert not old.path.exists()
+    assert new.path.exists() and dataset.path.exists()
+    assert len(list((store.root / "runs").iterdir())) == 1
+
+
+def test_gc_dry_run_removes_nothing(tmp_path):
+    store = ArtifactStore(tmp_path)
+    old = publish_text_artifact(store, "draft", "old", {})
+    record_run(store, "run-1", [publish_text_artifact(store, "draft", "new", {}).digest])
+
+    assert collect_garbage(store, keep_runs=1, dry_run=True)["removed"] == 1
+    assert old.path.exists()
+
+
+def test_gc_refuses_while_a_flow_uses_the_store(tmp_path):
+    store = ArtifactStore(tmp_path)
+    record_run(store, "run-1", [publish_text_artifact(store, "draft", "x", {}).digest])
+
+    with store_in_use(store):
+        with pytest.raises(ArtifactError, match="a flow is running on this store"):
+            collect_garbage(store, keep_runs=1)
+
+
+def test_gc_without_any_recorded_run_removes_nothing(tmp_path):
+    store = ArtifactStore(tmp_path)
+    kept = publish_text_artifact(store, "draft", "x", {})
+
+    with pytest.raises(ArtifactError, match="no finished run is recorded"):
+        collect_garbage(store, keep_runs=1)
+    assert kept.path.exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,16 @@ def _run(config: PipelineConfig):
 
     state = train_eagle3_draft(config, return_state=True)
     assert state.is_completed(), state.message
+    flow_runs = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+    # Task-run states reach the server as events, written shortly after the flow returns.
+    deadline = time.monotonic() + 30
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        while True:
+            runs = client.read_task_runs(flow_run_filter=flow_runs)
+            settled = len(runs) == len(STEPS) + 1 and all(run.state and run.state.is_final() for run in runs)
+            if settled or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     states = {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
     assert states.pop("publish-lineage") == "Completed"  # every run publishes its lineage
     return state.result().checkpoint, states

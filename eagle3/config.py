@@ -119,6 +119,13 @@ class TrainConfig(_Group):
     total_seq_len: int = Field(2048, ge=16, description="Tokens packed into one training batch.")
     train_data_ratio: float = Field(0.9, gt=0, lt=1, description="Share of records trained on; the rest validates.")
     seed: int = Field(0, description="Seed for initialisation and batch order.")
+    min_total_seq_len: int = Field(
+        256, ge=16, description="Out-of-memory back-off halves total_seq_len down to this, then fails.", json_schema_extra=_NO_KEY
+    )
+    num_gpus: int = Field(
+        1, ge=1, description="GPUs trained on (data parallel through torchrun; more GPUs, larger global batch). CPU: ignored."
+    )
+    fsdp: bool = Field(False, description="Shard the draft with FSDP instead of replicating it (DDP).", json_schema_extra=_NO_KEY)
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.", json_schema_extra=_NO_KEY)
 
 

@@ -38,6 +38,7 @@ from safetensors.torch import save
 from tqdm import tqdm
 
 from eagle3.config import ConfigError, ExtractConfig
+from eagle3.isolation import gpu_memory_used_mib, run_attempt
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_text, code_version
 from eagle3.verifier import VerifierManifest, load_text_model
@@ -55,8 +56,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Test hook: raise the real torch.OutOfMemoryError for any prefill batch above this many padded
-# tokens, so the back-off path runs deterministically without a GPU.
+# Test hook: raise the real torch.OutOfMemoryError for any prefill (or training) batch above this
+# many tokens, so the back-off paths run deterministically without a GPU.
 FAULT_OOM_ENV = "EAGLE3_FAULT_OOM_ABOVE_TOKENS"
 
 
@@ -70,6 +71,9 @@ class HiddenStatesManifest(ArtifactManifest):
     extracted_shards: int
     reused_shards: int
     backoffs: list[dict] = []
+    gpu_memory_after_mib: dict[str, int] | None = Field(
+        None, description="memory in use on each claimed GPU once the step's processes exited"
+    )
 
 
 def resolve_device(device: str) -> torch.device:
@@ -263,21 +267,18 @@ def _free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _back_off(budget: int, minimum: int, backoffs: list[dict], shard: str, message: str, capture, writer, device) -> int:
+def _next_budget(budget: int, minimum: int, backoffs: list[dict], oom: dict) -> int:
     """Halve the prefill budget after an out-of-memory error, or give up below `minimum`."""
-    capture.states.clear()
-    writer.drain()  # the shard is redone from its start; no old write may land after a new one
-    _free_memory(device)
     tried = [b["prefill_batch_tokens"] for b in backoffs] + [budget]
     if budget // 2 < minimum:
         raise RuntimeError(
-            f"extraction ran out of memory in {shard} at every prefill batch size tried "
+            f"extraction ran out of memory in shard {oom['shard']} at every prefill batch size tried "
             f"(extract.prefill_batch_tokens = {tried}) down to extract.min_prefill_batch_tokens = {minimum}: "
-            f"{message}. Finished shards are kept. Lower dataset.max_seq_len or min_prefill_batch_tokens, "
+            f"{oom['error']}. Finished shards are kept. Lower dataset.max_seq_len or min_prefill_batch_tokens, "
             "or use a device with more memory."
         )
-    backoffs.append({"shard": shard, "prefill_batch_tokens": budget, "retry_with": budget // 2, "error": message})
-    logger.warning("out of memory in %s at prefill_batch_tokens=%d; retrying the shard with %d", shard, budget, budget // 2)
+    backoffs.append({"shard": oom["shard"], "prefill_batch_tokens": budget, "retry_with": budget // 2, "error": oom["error"]})
+    logger.warning("out of memory in shard %d at prefill_batch_tokens=%d; retrying it with %d", oom["shard"], budget, budget // 2)
     return budget // 2
 
 
@@ -288,6 +289,56 @@ def _shard_key(verifier: VerifierManifest, aux: list[int], version: str, samples
     return h.hexdigest()
 
 
+def _extract_attempt(
+    dataset: DatasetManifest,
+    verifier: VerifierManifest,
+    aux: list[int],
+    device: str,
+    shard_root: Path,
+    todo: list[tuple[int, str, list[int]]],
+    budget: int,
+    on_progress,
+) -> dict | None:
+    """Extract the `todo` shards (index, key, record indices) in order with one model load.
+
+    Returns None when all are done, or {"shard", "error"} at the first out-of-memory error: the
+    caller retries from that shard with a smaller budget, in a fresh process on a GPU.
+    """
+    device = torch.device(device)
+    input_ids: list[list[int]] = load_dataset_table(dataset).column("input_ids").to_pylist()
+    model = load_text_model(verifier.path, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    decoder = model.get_decoder()
+    capture = HiddenStateCapture(decoder, aux)
+    writer = _OverlappedWriter(device)
+    oom = None
+    try:
+        with tqdm(total=sum(len(input_ids[i]) for _, _, shard in todo for i in shard), desc="extract hidden states", unit="tok") as progress:
+            for k, key, shard in todo:
+                partial = shard_root / f"{key}.partial"
+                if partial.exists():
+                    shutil.rmtree(partial)  # left by a killed run: the shard is the unit of resume
+                partial.mkdir()
+                try:
+                    _extract_shard(decoder, capture, writer, partial, shard, input_ids, budget, device, progress)
+                except torch.OutOfMemoryError as exc:
+                    oom = {"shard": k, "error": str(exc).splitlines()[0]}
+                    break
+                verify_shard(partial, [input_ids[i] for i in shard], len(aux) + 1, verifier.hidden_size)
+                digests = {p.name: writer.digests.pop(p) for p in sorted(writer.digests) if p.parent == partial}
+                atomic_write_text(partial / "done.json", json.dumps({"sha256": digests}, indent=0))
+                os.replace(partial, shard_root / key)
+                on_progress(sum(len(input_ids[i]) for i in shard))
+    finally:
+        capture.states.clear()
+        if oom is not None:
+            writer.pending.clear()  # the failed shard is redone from its start; its writes are void
+        writer.close()
+        capture.close()
+        del model, decoder, capture, writer
+        _free_memory(device)
+    return oom
+
+
 def extract_hidden_states(
     cfg: ExtractConfig,
     dataset: DatasetManifest,
@@ -295,14 +346,18 @@ def extract_hidden_states(
     store: ArtifactStore,
     provenance: Provenance,
     on_progress=None,
+    gpus: list[str] | None = None,
 ) -> HiddenStatesManifest:
     """Extract every shard of `dataset` not already in the store, then publish the shard list.
 
-    `on_progress(tokens_done, tokens_total)` is called after each extracted shard.
+    `gpus`: claimed CUDA devices; each attempt then runs in a child process seeing only them
+    (None: in this process on `cfg.device`). `on_progress(tokens_done, tokens_total)` is called
+    after each extracted shard.
 
     Raises:
         ConfigError: aux layer ids out of range for the verifier.
         ArtifactError: a written file fails verification.
+        RuntimeError: out of memory even at `cfg.min_prefill_batch_tokens`.
     """
     clock = Stopwatch()
     aux = resolve_aux_layer_ids(cfg.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
@@ -313,48 +368,31 @@ def extract_hidden_states(
     keys = [_shard_key(verifier, aux, version, [input_ids[i] for i in shard]) for shard in shards]
     shard_root = store.root / "shards"
     shard_root.mkdir(exist_ok=True)
-    todo = [k for k, key in enumerate(keys) if not (shard_root / key / "done.json").exists()]
-    extracted = len(todo)
 
+    def finished(k: int) -> bool:
+        return (shard_root / keys[k] / "done.json").exists()
+
+    todo = [k for k in range(len(shards)) if not finished(k)]
+    extracted = len(todo)
+    total = sum(len(input_ids[i]) for k in todo for i in shards[k])
+    done = 0
+
+    def shard_done(tokens: int) -> None:
+        nonlocal done
+        done += tokens
+        if on_progress is not None:
+            on_progress(done, total)
+
+    device = "cuda" if gpus else str(resolve_device(cfg.device))
     backoffs: list[dict] = []
-    if todo:
-        device = resolve_device(cfg.device)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = load_text_model(verifier.path, dtype, device)
-        decoder = model.get_decoder()
-        capture = HiddenStateCapture(decoder, aux)
-        writer = _OverlappedWriter(device)
-        total = sum(len(input_ids[i]) for k in todo for i in shards[k])
-        budget = cfg.prefill_batch_tokens
-        try:
-            with tqdm(total=total, desc="extract hidden states", unit="tok") as progress:
-                while todo:
-                    k = todo[0]
-                    partial = shard_root / f"{keys[k]}.partial"
-                    if partial.exists():
-                        shutil.rmtree(partial)  # left by a killed run: the shard is the unit of resume
-                    partial.mkdir()
-                    done_before, oom = progress.n, None
-                    try:
-                        _extract_shard(decoder, capture, writer, partial, shards[k], input_ids, budget, device, progress)
-                    except torch.OutOfMemoryError as exc:
-                        oom = str(exc).splitlines()[0]
-                    if oom is not None:  # outside the except block, so the error's frames are freed
-                        budget = _back_off(budget, cfg.min_prefill_batch_tokens, backoffs, f"shard {k}", oom, capture, writer, device)
-                        progress.update(done_before - progress.n)
-                        continue
-                    verify_shard(partial, [input_ids[i] for i in shards[k]], len(aux) + 1, verifier.hidden_size)
-                    digests = {p.name: writer.digests.pop(p) for p in sorted(writer.digests) if p.parent == partial}
-                    atomic_write_text(partial / "done.json", json.dumps({"sha256": digests}, indent=0))
-                    os.replace(partial, shard_root / keys[k])
-                    todo.pop(0)
-                    if on_progress is not None:
-                        on_progress(progress.n, total)
-        finally:
-            writer.close()
-            capture.close()
-            del model, decoder
-            _free_memory(device)
+    budget = cfg.prefill_batch_tokens
+    while todo:
+        attempt = {"dataset": dataset, "verifier": verifier, "aux": aux, "device": device, "shard_root": shard_root,
+                   "todo": [(k, keys[k], shards[k]) for k in todo], "budget": budget}
+        oom = run_attempt(_extract_attempt, attempt, gpus, shard_done)
+        todo = [k for k in todo if not finished(k)]
+        if oom is not None:
+            budget = _next_budget(budget, cfg.min_prefill_batch_tokens, backoffs, oom)
 
     listing = [
         {"key": key, "first_record": shard[0], "num_records": len(shard),
@@ -376,6 +414,7 @@ def extract_hidden_states(
             extracted_shards=extracted,
             reused_shards=len(keys) - extracted,
             backoffs=backoffs,
+            gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
             seconds=clock(),
         ),
     )

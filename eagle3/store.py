@@ -50,6 +50,10 @@ class ArtifactError(RuntimeError):
     def __init__(self, path: Path | str, message: str):
         super().__init__(f"{path}: {message}")
         self.path = Path(path)
+        self.message = message
+
+    def __reduce__(self):  # pickles across the child processes GPU steps run in
+        return type(self), (self.path, self.message)
 
 
 class Provenance(BaseModel):
@@ -201,10 +205,13 @@ def step_provenance(module, store: "ArtifactStore", **inputs: Any) -> Provenance
 
 
 def code_version(module) -> str:
-    """Digest of a step's source and the libraries that compute it: a code change re-runs the step."""
+    """Digest of a step's source (with the modules it names in `CODE_DEPENDENCIES`) and the
+    libraries that compute it: a code change re-runs the step."""
     from importlib.metadata import version
 
     h = hashlib.sha256(Path(module.__file__).read_bytes())
+    for dependency in getattr(module, "CODE_DEPENDENCIES", ()):
+        h.update(Path(dependency.__file__).read_bytes())
     for package in ("torch", "transformers", "speculators"):
         h.update(f"{package}=={version(package)}".encode())
     return h.hexdigest()[:16]

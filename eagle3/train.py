@@ -6,6 +6,10 @@ that layout in its work dir (the hidden-state files are linked, not copied), the
 `Eagle3DraftModel` under speculators' `Trainer` with test-time training (`ttt_steps`), a checkpoint
 per epoch (resumed after a crash, optimizer included) and per-step `loss_k`/`full_acc_k`/`cond_acc_k`.
 
+One attempt (`eagle3.train_worker`) runs in this process on CPU and under `torchrun` on GPUs, one
+process per claimed device, so every attempt starts with empty GPUs; out of memory relaunches from
+the last epoch checkpoint with half the batch (`total_seq_len`), recorded in the manifest.
+
 Output: `checkpoint/` (the last epoch's `config.json` + `model.safetensors`, as speculators saves
 them) and `metrics.jsonl` (one line per step and per validation epoch). The simulated acceptance
 length is `1 + sum_j prod_{i<=j} cond_acc_i` over the TTT steps, from validation accuracies.
@@ -18,24 +22,28 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-import numpy as np
-import torch
+from pydantic import Field
 
-from eagle3 import trainer_compat
+from eagle3 import train_worker, trainer_compat
 from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest, hidden_state_files, resolve_device
+from eagle3.isolation import gpu_memory_used_mib
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
+from eagle3.train_worker import TrainSpec, train_attempt
 from eagle3.verifier import VerifierManifest
-from eagle3.vocab_mapping import VocabManifest, load_vocab_mapping
+from eagle3.vocab_mapping import VocabManifest
 
 __all__ = ["DraftManifest", "simulated_acceptance_length", "train_draft"]
+
+logger = logging.getLogger(__name__)
+CODE_DEPENDENCIES = (train_worker, trainer_compat)
 
 
 class DraftManifest(ArtifactManifest):
@@ -44,6 +52,10 @@ class DraftManifest(ArtifactManifest):
     num_steps: int
     tau_sim: float
     checkpoint: str = "checkpoint"
+    backoffs: list[dict] = []
+    gpu_memory_after_mib: dict[str, int] | None = Field(
+        None, description="memory in use on each claimed GPU once the training processes exited"
+    )
 
 
 def simulated_acceptance_length(cond_acc: list[float]) -> float:
@@ -70,40 +82,6 @@ def _speculators_data_dir(root: Path, dataset: DatasetManifest, hidden_states: H
     return data_dir
 
 
-@contextmanager
-def _collect_metrics(log: Path, on_record) -> Iterator[None]:
-    """Append each dict speculators' Trainer logs to `speculators.metrics` (one per step and per
-    validation epoch) to `log`, which outlives a crash, and pass it to `on_record`."""
-    logger = logging.getLogger("speculators.metrics")
-
-    class _Sink(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if isinstance(record.msg, dict):
-                # Wall-clock profiles would make two identical trainings' artifacts differ.
-                entry = {k: v for k, v in record.msg.items() if k != "profile"}
-                with open(log, "a") as f:
-                    f.write(json.dumps(entry, default=float) + "\n")
-                on_record(entry)
-
-    handler = _Sink()
-    saved = logger.level, logger.propagate
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved[0])
-        logger.propagate = saved[1]
-
-
-def _seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def _epoch_summaries(records: list[dict], ttt_steps: int) -> list[dict[str, float]]:
     """Validation numbers per epoch (the last report wins where a resume repeated an epoch)."""
     summaries: dict[int, dict[str, float]] = {}
@@ -119,6 +97,52 @@ def _epoch_summaries(records: list[dict], ttt_steps: int) -> list[dict[str, floa
     return [summaries[e] for e in sorted(summaries)]
 
 
+def _torchrun(spec: TrainSpec, gpus: list[str], on_step) -> str | None:
+    """One attempt as `torchrun` with a process per GPU; returns the out-of-memory message, if any.
+    Progress is read from the metrics log the rank-0 process appends to."""
+    spec_file = spec.work / "spec.json"
+    spec_file.write_text(spec.model_dump_json())
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(gpus)}",
+               "-m", "eagle3.train_worker", str(spec_file)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+    log_path = spec.work / "train.log"
+    seen = 0
+    with open(log_path, "ab") as log:
+        child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            code = child.poll()
+            if on_step is not None and spec.metrics_log.exists() and (spec.work / "plan.json").exists():
+                total = json.loads((spec.work / "plan.json").read_text())["total_steps"]
+                lines = spec.metrics_log.read_text().splitlines()
+                for record in map(json.loads, lines[seen:]):
+                    if "train" in record:
+                        on_step(record["global_step"] + 1, total, record["train"])
+                seen = len(lines)
+            if code is not None:
+                break
+            time.sleep(2.0)
+    markers = sorted(spec.work.glob("oom-rank*.json"))
+    if markers:
+        error = json.loads(markers[0].read_text())["error"]
+        for marker in markers:
+            marker.unlink()
+        return error
+    if code != 0:
+        raise RuntimeError(f"training exited with code {code}; its log, {log_path}, ends:\n{log_path.read_text()[-3000:]}")
+    return None
+
+
+def _in_process(spec: TrainSpec, on_step) -> str | None:
+    import torch
+
+    oom = None
+    try:
+        train_attempt(spec, on_step)
+    except torch.OutOfMemoryError as exc:
+        oom = str(exc).splitlines()[0]
+    return oom  # returned outside the except block, so the error's frames (and tensors) are freed
+
+
 def train_draft(
     cfg: TrainConfig,
     dataset: DatasetManifest,
@@ -128,122 +152,45 @@ def train_draft(
     store: ArtifactStore,
     provenance: Provenance,
     on_step=None,
+    gpus: list[str] | None = None,
 ) -> DraftManifest:
     """Train an EAGLE-3 draft; resumes from the last epoch checkpoint of an interrupted run.
 
+    `gpus`: claimed CUDA devices; training then runs under torchrun, one process per device
+    (None: in this process on `cfg.device`). On out-of-memory, relaunches from the last
+    checkpoint with half the `total_seq_len`, down to `cfg.min_total_seq_len`.
     `on_step(step, total, metrics)` is called after every optimizer step (for progress reports).
     """
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.models.eagle3.data import shift_batch
-    from speculators.models.eagle3.rotary_partial import install_partial_neox_rotary
-    from speculators.train.cli import create_transformer_layer_config
-    from speculators.train.config import TrainConfig as SpeculatorsTrainConfig
-    from speculators.train.dataloader import create_train_val_loaders
-    from speculators.train.trainer import TrainerConfig
-    from speculators.train.utils import resolve_mask_token_id
-    from hs_connectors import FileTransfer
-
     clock = Stopwatch()
-    device = resolve_device(cfg.device)
     work = store.work_dir("draft", provenance.key)
-    data_dir = _speculators_data_dir(work, dataset, hidden_states)
-    verifier_path = str(verifier.path)
-    flat = SpeculatorsTrainConfig.from_flat(
-        {
-            "verifier_name_or_path": verifier_path,
-            "data_path": str(data_dir),
-            "save_path": str(work / "checkpoints"),
-            "target_layer_ids": hidden_states.aux_layer_ids,
-            "draft_vocab_size": vocab.draft_vocab_size,
-            "num_layers": cfg.num_layers,
-            "full_attention_indices": list(range(cfg.num_layers)),
-            "draft_attn_impl": trainer_compat.draft_attn_impl(device),
-            "loss_fn": cfg.loss_fn,
-            "loss_implementation": trainer_compat.loss_implementation(device),
-            "ttt_steps": cfg.ttt_steps,
-            "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
-            "optimizer": cfg.optimizer,
-            "lr": cfg.lr,
-            "epochs": cfg.epochs,
-            "total_seq_len": cfg.total_seq_len,
-            "train_data_ratio": cfg.train_data_ratio,
-            "seed": cfg.seed,
-            "on_missing": "raise",
-            "num_workers": 0 if device.type == "cpu" else 4,
-        }
-    ).flatten()
-
-    _seed(cfg.seed)
-    install_partial_neox_rotary()
-    d2t, t2d = load_vocab_mapping(vocab)
-    layer_config = create_transformer_layer_config(
-        verifier_name_or_path=verifier_path,
-        num_layers=cfg.num_layers,
-        draft_arch=flat["draft_arch"],
-        hidden_act=flat["draft_hidden_act"],
-        sliding_window=flat["sliding_window"],
-        full_attention_indices=flat["full_attention_indices"],
-        mrope_full_head_hack=False,
+    _speculators_data_dir(work, dataset, hidden_states)
+    spec = TrainSpec(
+        cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=hidden_states.aux_layer_ids,
+        hidden_size=hidden_states.hidden_size, vocab=vocab, total_seq_len=cfg.total_seq_len,
+        device="cuda" if gpus else str(resolve_device(cfg.device)),
     )
-    flat["mask_token_id"] = resolve_mask_token_id(verifier_path, layer_config.vocab_size, None)
-    model = Eagle3DraftModel.from_training_args(verifier_config=layer_config, t2d=t2d, d2t=d2t, **flat)
+    backoffs: list[dict] = []
+    while (oom := _torchrun(spec, gpus, on_step) if gpus else _in_process(spec, on_step)) is not None:
+        tried = [b["total_seq_len"] for b in backoffs] + [spec.total_seq_len]
+        if spec.total_seq_len // 2 < cfg.min_total_seq_len:
+            raise RuntimeError(
+                f"training ran out of memory at every batch size tried (train.total_seq_len = {tried}) down to "
+                f"train.min_total_seq_len = {cfg.min_total_seq_len}: {oom}. Finished epochs are kept in {spec.checkpoints}."
+            )
+        backoffs.append({"total_seq_len": spec.total_seq_len, "retry_with": spec.total_seq_len // 2, "error": oom})
+        logger.warning("training ran out of memory at total_seq_len=%d; resuming with %d", spec.total_seq_len, spec.total_seq_len // 2)
+        spec = spec.model_copy(update={"total_seq_len": spec.total_seq_len // 2})
 
-    train_loader, val_loader = create_train_val_loaders(
-        data_path=str(data_dir),
-        total_seq_len=cfg.total_seq_len,
-        hidden_states_dtype=torch.bfloat16,
-        transfer=FileTransfer(data_dir / "hidden_states"),
-        vllm_endpoint=flat["vllm_endpoint"],
-        on_missing="raise",
-        verifier_name_or_path=verifier_path,
-        request_timeout=flat["request_timeout"],
-        max_retries=flat["max_retries"],
-        generation_validation_retries=flat["generation_validation_retries"],
-        max_consecutive_generation_failures=flat["max_consecutive_generation_failures"],
-        hidden_size=hidden_states.hidden_size,
-        num_target_layers=len(hidden_states.aux_layer_ids),
-        num_workers=flat["num_workers"],
-        prefetch_factor=flat["prefetch_factor"],
-        preprocess=shift_batch,
-        train_data_ratio=cfg.train_data_ratio,
-        seed=cfg.seed,
-    )
-    train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(**flat)
-    trainer_config = TrainerConfig(
-        num_epochs=cfg.epochs,
-        save_path=flat["save_path"],
-        lr=cfg.lr,
-        resume_from_checkpoint=True,
-        train_call_kwargs=train_kwargs,
-        val_call_kwargs=val_kwargs,
-        optimizer=cfg.optimizer,
-        weight_decay=flat["weight_decay"],
-        muon_lr=flat["muon_lr"],
-        scheduler_type=flat["scheduler_type"],
-        hidden_states_dtype=torch.bfloat16,
-        log_freq=1,
-        checkpoint_freq=1,
-    )
-    total_steps = cfg.epochs * len(train_loader)
-    metrics_log = work / "metrics.jsonl"
-
-    def on_record(record: dict) -> None:
-        if on_step is not None and "train" in record:
-            on_step(record["global_step"] + 1, total_steps, record["train"])
-
-    with trainer_compat.trainer_class(device) as trainer_cls, _collect_metrics(metrics_log, on_record):
-        trainer_cls(model, trainer_config, train_loader, val_loader).run_training()
-
-    last_epoch = max(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
-    history = [json.loads(line) for line in metrics_log.read_text().splitlines()]
+    last_epoch = max(int(p.name) for p in spec.checkpoints.iterdir() if p.name.isdigit())
+    history = [json.loads(line) for line in spec.metrics_log.read_text().splitlines()]
     epochs = _epoch_summaries(history, cfg.ttt_steps)
     out = work / "artifact"
     if out.exists():
         shutil.rmtree(out)
     (out / "checkpoint").mkdir(parents=True)
     for name in ("config.json", "model.safetensors"):
-        shutil.copy2(work / "checkpoints" / str(last_epoch) / name, out / "checkpoint" / name)
-    shutil.copy2(metrics_log, out / "metrics.jsonl")
+        shutil.copy2(spec.checkpoints / str(last_epoch) / name, out / "checkpoint" / name)
+    shutil.copy2(spec.metrics_log, out / "metrics.jsonl")
     manifest = store.publish(
         out,
         DraftManifest(
@@ -252,9 +199,10 @@ def train_draft(
             epochs=epochs,
             num_steps=sum(1 for r in history if "train" in r),
             tau_sim=epochs[-1]["tau_sim"],
+            backoffs=backoffs,
+            gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
             seconds=clock(),
         ),
     )
     shutil.rmtree(work)
     return manifest
-

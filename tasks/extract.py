@@ -18,12 +18,12 @@ def extract_hidden_states_task(
 ) -> step.HiddenStatesManifest:
     store = ArtifactStore(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, dataset=dataset, verifier=verifier)
-    with claim_gpus(cfg.device):
+    with claim_gpus(cfg.device) as gpus:
         manifest = step.extract_hidden_states(
-            cfg, dataset, verifier, store, provenance, on_progress=Progress("extract hidden states (tokens)")
+            cfg, dataset, verifier, store, provenance, on_progress=Progress("extract hidden states (tokens)"), gpus=gpus
         )
     publish_step_report(
         manifest,
-        manifest.model_dump(include={"aux_layer_ids", "num_records", "num_tokens", "extracted_shards", "reused_shards", "backoffs"}),
+        manifest.model_dump(include={"aux_layer_ids", "num_records", "num_tokens", "extracted_shards", "reused_shards", "backoffs", "gpu_memory_after_mib"}),
     )
     return manifest

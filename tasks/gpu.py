@@ -1,9 +1,11 @@
 """GPU claims: a step that runs on CUDA first takes slots of the Prefect global concurrency limit
-`gpu`, so concurrent flow runs never oversubscribe a host.
+`gpu`, so concurrent flow runs never oversubscribe a host, then picks that many free devices of
+this host, which its child processes see as CUDA_VISIBLE_DEVICES.
 
 `strict=True`: a missing limit is an error, not a silent free-for-all. `eagle3 gpu-limit` creates it
-with the host's GPU count. Slots of a killed holder return when its lease expires (~60 s with a
-real server); `prefect gcl update gpu --active-slots 0` frees leaked ones by hand.
+with the host's GPU count. Slots are released when the step fails; those of a killed holder return
+when its lease expires (`LEASE_SECONDS`; the holder renews it while alive), and `prefect gcl update gpu --active-slots 0`
+frees leaked ones by hand. Device locks are per-host flocks, released by the kernel on kill.
 """
 
 from __future__ import annotations
@@ -15,23 +17,33 @@ from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
 from prefect.concurrency.sync import concurrency
 
 from eagle3.extract_hidden_states import resolve_device
+from eagle3.isolation import host_gpu_ids, lock_free_gpus
 
-__all__ = ["GPU_LIMIT", "claim_gpus"]
+__all__ = ["GPU_LIMIT", "claim_gpus", "gpu_slots"]
 
 GPU_LIMIT = "gpu"
+LEASE_SECONDS = 60.0  # the server's minimum: a killed holder's slots return this soon
 
 
 @contextmanager
-def claim_gpus(device: str, count: int = 1) -> Iterator[None]:
-    """Hold `count` GPU slots while the block runs, if `device` resolves to CUDA; else nothing."""
-    if resolve_device(device).type != "cuda":
-        yield
-        return
+def gpu_slots(count: int) -> Iterator[None]:
+    """Hold `count` slots of the server's `gpu` limit while the block runs."""
     try:
-        with concurrency(GPU_LIMIT, occupy=count, strict=True):
+        with concurrency(GPU_LIMIT, occupy=count, strict=True, lease_duration=LEASE_SECONDS):
             yield
     except ConcurrencySlotAcquisitionError as exc:
         raise RuntimeError(
             f"cannot claim {count} GPU slot(s) from the Prefect concurrency limit '{GPU_LIMIT}': {exc}. "
             "Create it once per server with `eagle3 gpu-limit` (it counts this host's GPUs)."
         ) from exc
+
+
+@contextmanager
+def claim_gpus(device: str, count: int = 1) -> Iterator[list[str] | None]:
+    """The claimed devices (CUDA_VISIBLE_DEVICES names) while the block runs, if `device` resolves
+    to CUDA; else None and nothing is claimed."""
+    if resolve_device(device).type != "cuda":
+        yield None
+        return
+    with gpu_slots(count), lock_free_gpus(host_gpu_ids(), count) as devices:
+        yield devices

@@ -25,9 +25,9 @@ def train_draft_task(
 ) -> step.DraftManifest:
     store = ArtifactStore(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, dataset=dataset, hidden_states=hidden_states, vocab=vocab, verifier=verifier)
-    with claim_gpus(cfg.device):
+    with claim_gpus(cfg.device, cfg.num_gpus) as gpus:
         manifest = step.train_draft(
-            cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)")
+            cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)"), gpus=gpus
         )
-    publish_step_report(manifest, {"num_steps": manifest.num_steps, "tau_sim": round(manifest.tau_sim, 4)})
+    publish_step_report(manifest, manifest.model_dump(include={"num_steps", "tau_sim", "backoffs", "gpu_memory_after_mib"}))
     return manifest

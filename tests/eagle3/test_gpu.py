@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import SAMPLE
+from tiny_models import tiny_llama
 from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
 from eagle3.evaluate import load_draft
 from eagle3.export import export_checkpoint
@@ -30,11 +34,11 @@ def steps(tiny_verifier, tmp_path_factory):
     return store, verifier, dataset
 
 
-def test_gpu_extraction_matches_cpu(steps, tmp_path):
+def test_gpu_extraction_in_a_child_process_matches_cpu(steps, tmp_path):
     _, verifier, dataset = steps
 
     # Separate stores: the device is not part of a shard's key, so one store would reuse the shards.
-    gpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, ArtifactStore(tmp_path / "gpu"), Provenance())
+    gpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, ArtifactStore(tmp_path / "gpu"), Provenance(), gpus=["0"])
     cpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cpu"), dataset, verifier, ArtifactStore(tmp_path / "cpu"), Provenance())
 
     a, b = hidden_state_files(gpu), hidden_state_files(cpu)
@@ -42,18 +46,47 @@ def test_gpu_extraction_matches_cpu(steps, tmp_path):
         torch.testing.assert_close(load_file(a[i])["hidden_states"].float(), load_file(b[i])["hidden_states"].float(), atol=0.1, rtol=0.05)
 
 
-def test_gpu_training_with_flex_attention_and_fused_loss_exports_and_decodes(steps):
+def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_and_decodes(steps):
     store, verifier, dataset = steps
-    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, store, Provenance(config={"d": "cuda"}))
+    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, store, Provenance(config={"d": "cuda"}), gpus=["0"])
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=512), dataset, verifier.vocab_size, store, Provenance())
+    gpus = [str(i) for i in range(torch.cuda.device_count())]
 
-    draft = train_draft(TrainConfig(epochs=2, lr=1e-3, total_seq_len=512, device="cuda"), dataset, hidden, vocab, verifier, store, Provenance())
+    draft = train_draft(TrainConfig(epochs=2, lr=1e-3, total_seq_len=512, device="cuda", num_gpus=len(gpus)), dataset, hidden, vocab, verifier, store, Provenance(), gpus=gpus)
     checkpoint = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
 
-    assert draft.num_steps > 0 and draft.tau_sim >= 1.0
+    assert draft.num_steps > 0 and draft.tau_sim >= 1.0 and draft.backoffs == []
+    assert set(draft.gpu_memory_after_mib) == set(gpus)
     model = load_text_model(verifier.path, torch.float32, "cuda")
     capture = HiddenStateCapture(model.get_decoder(), AUX)
     proposer = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cuda")).float())
     prompt = load_dataset_table(dataset).column("input_ids")[0].as_py()[:40]
     reference = greedy_decode(model, prompt, 32, set())
     assert speculative_decode(model, capture, proposer, prompt, 32, 3, set()).tokens == reference.tokens
+
+
+def test_real_cuda_out_of_memory_backs_off_to_a_batch_that_fits(tmp_path):
+    """A verifier whose 16k-token prefill needs ~1.6 GB, on a GPU left with ~2.5 GB free by another
+    process: the allocator's own out-of-memory error, then smaller batches in fresh processes."""
+    verifier_dir = tiny_llama(tmp_path / "wide", num_layers=4, hidden=4096)
+    store = ArtifactStore(tmp_path / "store")
+    verifier = resolve_verifier(VerifierConfig(path=str(verifier_dir)), store)
+    dataset = prepare_dataset(DatasetConfig(max_seq_len=256), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
+    fill = (
+        "import sys, time, torch\n"
+        "free, _ = torch.cuda.mem_get_info()\n"
+        "block = torch.empty(free - int(2.5 * 2**30), dtype=torch.uint8, device='cuda')\n"
+        "print('filled', flush=True); time.sleep(900)\n"
+    )
+    filler = subprocess.Popen([sys.executable, "-c", fill], stdout=subprocess.PIPE, text=True)
+    try:
+        assert filler.stdout.readline().strip() == "filled"
+        cfg = ExtractConfig(aux_layer_ids=AUX, device="cuda", prefill_batch_tokens=16384, min_prefill_batch_tokens=256)
+        manifest = extract_hidden_states(cfg, dataset, verifier, store, Provenance(), gpus=["0"])
+    finally:
+        filler.kill()
+        filler.wait()
+
+    assert manifest.backoffs and all("CUDA out of memory" in b["error"] for b in manifest.backoffs)
+    assert manifest.backoffs[0]["prefill_batch_tokens"] == 16384
+    assert len(hidden_state_files(manifest)) == manifest.num_records

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import speculators.train.checkpointer as checkpointer_module
@@ -10,10 +13,11 @@ import torch
 from eagle3 import trainer_compat
 from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
 from eagle3.export import export_checkpoint, validate_checkpoint
-from eagle3.extract_hidden_states import extract_hidden_states
+from eagle3.extract_hidden_states import FAULT_OOM_ENV, extract_hidden_states
 from eagle3.prepare_dataset import prepare_dataset
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
-from eagle3.train import simulated_acceptance_length, train_draft
+from eagle3.train import _speculators_data_dir, simulated_acceptance_length, train_draft
+from eagle3.train_worker import OOM_EXIT, TrainSpec
 from eagle3.verifier import load_tokenizer, resolve_verifier
 from eagle3.vocab_mapping import build_vocab_mapping
 
@@ -79,6 +83,47 @@ def test_interrupted_training_resumes_from_the_last_epoch_checkpoint(inputs):
     assert 1 < resumed[0] <= seen[-1]
     assert resumed == list(range(resumed[0], resumed[0] + len(resumed)))
     assert [e["epoch"] for e in manifest.epochs] == [0, 1, 2]
+
+
+def test_out_of_memory_resumes_from_the_last_checkpoint_with_half_the_batch(inputs, monkeypatch):
+    store, verifier, dataset, hidden, vocab = inputs
+    monkeypatch.setenv(FAULT_OOM_ENV, "300")
+
+    manifest = train_draft(TrainConfig(epochs=1, total_seq_len=512, min_total_seq_len=128), dataset, hidden, vocab, verifier, store, Provenance(config={"run": "oom"}))
+
+    assert [(b["total_seq_len"], b["retry_with"]) for b in manifest.backoffs] == [(512, 256)]
+    assert "simulated out of memory: 512 training tokens" in manifest.backoffs[0]["error"]
+    assert manifest.num_steps > 0 and [e["epoch"] for e in manifest.epochs] == [0]
+
+
+def test_out_of_memory_at_the_minimum_batch_fails_saying_what_was_tried(inputs, monkeypatch):
+    store, verifier, dataset, hidden, vocab = inputs
+    monkeypatch.setenv(FAULT_OOM_ENV, "100")
+    cfg = TrainConfig(epochs=1, total_seq_len=512, min_total_seq_len=256)
+
+    with pytest.raises(RuntimeError, match=r"train.total_seq_len = \[512, 256\]\) down to train.min_total_seq_len = 256"):
+        train_draft(cfg, dataset, hidden, vocab, verifier, store, Provenance(config={"run": "oom-min"}))
+
+
+def test_the_worker_process_trains_and_reports_out_of_memory_by_exit_code(inputs, tmp_path):
+    """The protocol torchrun runs on GPUs, exercised on CPU: spec file in, checkpoints, metrics and
+    an out-of-memory marker out."""
+    store, verifier, dataset, hidden, vocab = inputs
+    _speculators_data_dir(tmp_path, dataset, hidden)
+    spec = TrainSpec(cfg=TrainConfig(epochs=1, total_seq_len=512), work=tmp_path, verifier_path=verifier.path,
+                     aux_layer_ids=hidden.aux_layer_ids, hidden_size=hidden.hidden_size, vocab=vocab, total_seq_len=512, device="cpu")
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    run = [sys.executable, "-m", "eagle3.train_worker", str(tmp_path / "spec.json")]
+
+    failed = subprocess.run(run, env={**os.environ, FAULT_OOM_ENV: "300"}, capture_output=True, text=True, timeout=600)
+    trained = subprocess.run(run, capture_output=True, text=True, timeout=600)
+
+    assert failed.returncode == OOM_EXIT, failed.stderr[-2000:]
+    assert "512 training tokens" in json.loads((tmp_path / "oom-rank0.json").read_text())["error"]
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert (tmp_path / "checkpoints" / "0" / "model.safetensors").exists()
+    total = json.loads((tmp_path / "plan.json").read_text())["total_steps"]
+    assert sum("train" in json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()) == total
 
 
 def test_export_reloads_and_names_the_serving_verifier(inputs, draft):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextvars
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from eagle3.cli import main
-from tasks.gpu import GPU_LIMIT, claim_gpus
+from tasks.gpu import GPU_LIMIT, LEASE_SECONDS, claim_gpus, gpu_slots
 
 pytestmark = pytest.mark.e2e
 
@@ -42,7 +45,7 @@ def test_claims_on_one_gpu_slot_never_overlap(no_gpu_limit):
     spans = []
 
     def hold():
-        with claim_gpus("cuda"):
+        with gpu_slots(1):
             start = time.monotonic()
             time.sleep(1.5)
             spans.append((start, time.monotonic()))
@@ -59,5 +62,46 @@ def test_claims_on_one_gpu_slot_never_overlap(no_gpu_limit):
 
 
 def test_cpu_steps_claim_nothing(no_gpu_limit):
-    with claim_gpus("cpu"):
-        pass
+    with claim_gpus("cpu") as devices:
+        assert devices is None
+
+
+def _active_slots() -> int:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_global_concurrency_limit_by_name(GPU_LIMIT).active_slots
+
+
+def test_a_failing_step_releases_its_slots(no_gpu_limit):
+    assert main(["gpu-limit", "--gpus", "2"]) == 0
+
+    with pytest.raises(ZeroDivisionError):
+        with gpu_slots(2):
+            assert _active_slots() == 2
+            1 / 0
+
+    assert _active_slots() == 0
+
+
+def test_a_killed_holders_slots_return_when_its_lease_expires(no_gpu_limit, prefect_server):
+    assert main(["gpu-limit", "--gpus", "1"]) == 0
+    code = (
+        "import time; from tasks.gpu import gpu_slots\n"
+        "with gpu_slots(1):\n"
+        "    print('held', flush=True); time.sleep(600)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PREFECT_API_URL": prefect_server})
+    assert holder.stdout.readline().strip() == "held"
+    assert _active_slots() == 1
+
+    holder.kill()
+    holder.wait()
+    deadline = time.monotonic() + LEASE_SECONDS + 90
+    while _active_slots() and time.monotonic() < deadline:
+        time.sleep(2)
+
+    assert _active_slots() == 0
+    with gpu_slots(1):
+        assert _active_slots() == 1

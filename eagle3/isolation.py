@@ -1,0 +1,143 @@
+"""One GPU attempt, one child process: its CUDA context and all its memory go when it exits.
+
+A failed attempt then leaves nothing behind in the long-lived flow process (no allocator cache, no
+exception frames pinning tensors), so a retry with a smaller batch starts from an empty GPU. The
+child is spawned (CUDA cannot be forked), sees only the devices it was given
+(`CUDA_VISIBLE_DEVICES`), streams progress back over a pipe and returns a small picklable
+result. Exceptions come back as themselves where they pickle, `torch.OutOfMemoryError`
+included, so callers back off the same way whether an attempt ran in a child or in-process.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import multiprocessing as mp
+import os
+import pickle
+import subprocess
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ChildProcessFailed", "gpu_memory_used_mib", "host_gpu_ids", "lock_free_gpus", "run_attempt"]
+
+
+class ChildProcessFailed(RuntimeError):
+    """The child died without a result (killed, crashed) or raised an exception that does not pickle."""
+
+
+def _child_main(fn: Callable, kwargs: dict, visible_devices: list[str] | None, conn) -> None:
+    if visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, visible_devices))
+    try:
+        result = fn(**kwargs, on_progress=lambda *args: conn.send(("progress", args)))
+        conn.send(("result", result))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        try:
+            payload = pickle.dumps(exc)
+            pickle.loads(payload)
+        except Exception:  # noqa: BLE001
+            payload = pickle.dumps(ChildProcessFailed(f"{type(exc).__name__}: {exc}"))
+        conn.send(("error", (payload, traceback.format_exc())))
+    finally:
+        conn.close()
+
+
+def run_attempt(fn: Callable[..., Any], kwargs: dict, visible_devices: list[str] | None, on_progress=None) -> Any:
+    """`fn(**kwargs, on_progress=...)` in a spawned child seeing only `visible_devices`, or in this
+    process when `visible_devices` is None (CPU work needs no isolation). `fn` must be importable."""
+    forward = on_progress or (lambda *_: None)
+    if visible_devices is None:
+        return fn(**kwargs, on_progress=forward)
+    ctx = mp.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child_main, args=(fn, kwargs, visible_devices, send), name=f"eagle3-{fn.__name__}")
+    child.start()
+    send.close()
+    outcome = None
+    try:
+        while outcome is None:
+            try:
+                kind, payload = receive.recv()
+            except EOFError:
+                break
+            if kind == "progress":
+                forward(*payload)
+            else:
+                outcome = kind, payload
+    finally:
+        child.join()
+        receive.close()
+    if outcome is None:
+        raise ChildProcessFailed(f"{fn.__name__} died in its child process (exit code {child.exitcode}) without a result")
+    kind, payload = outcome
+    if kind == "result":
+        return payload
+    error, child_traceback = payload
+    raise pickle.loads(error) from ChildProcessFailed(f"in the child process:\n{child_traceback}")
+
+
+def gpu_memory_used_mib(devices: list[str]) -> dict[str, int] | None:
+    """Memory in use on each device as the driver reports it (nvidia-smi), without creating a CUDA
+    context here; None where nvidia-smi is not available."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits", "-i", ",".join(devices)],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [[field.strip() for field in line.split(",")] for line in out.strip().splitlines()]
+    return {index: int(mib) for index, _uuid, mib in rows}
+
+
+def host_gpu_ids() -> list[str]:
+    """This host's GPUs as CUDA_VISIBLE_DEVICES names them (respecting an existing restriction)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+@contextmanager
+def lock_free_gpus(candidates: list[str], count: int, lock_dir: Path | None = None, timeout_s: float = 3600) -> Iterator[list[str]]:
+    """Hold `count` of `candidates` that no other process on this host holds, by an exclusive flock
+    per device; the kernel drops a killed holder's locks at once. Waits while all are taken."""
+    if count > len(candidates):
+        raise RuntimeError(f"{count} GPU(s) requested but this host has {len(candidates)}: {candidates}")
+    lock_dir = lock_dir or Path(tempfile.gettempdir()) / "eagle3-gpu-locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    held: list[tuple[str, Any]] = []
+    try:
+        while True:
+            for device in candidates:
+                if len(held) == count:
+                    break
+                handle = open(lock_dir / f"gpu-{device}.lock", "a")
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    held.append((device, handle))
+                except BlockingIOError:
+                    handle.close()
+            if len(held) == count:
+                break
+            _release(held)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {count} free GPU(s) among {candidates} after {timeout_s:.0f} s (locks in {lock_dir})")
+            time.sleep(1.0)
+        yield [device for device, _ in held]
+    finally:
+        _release(held)
+
+
+def _release(held: list[tuple[str, Any]]) -> None:
+    for _, handle in held:
+        handle.close()  # closing the descriptor drops its flock
+    held.clear()

@@ -1,0 +1,240 @@
+"""One training attempt: speculators' `Eagle3DraftModel`, data loaders and `Trainer` on a prepared
+data directory. Runs in the flow's process on CPU, and as `torchrun -m eagle3.train_worker
+spec.json` on GPUs (one process per GPU, DDP or FSDP), so each attempt gets fresh CUDA contexts.
+
+A rank that runs out of memory writes `oom-rank<r>.json` beside the checkpoints and exits with
+`OOM_EXIT`; the launcher relaunches with a smaller batch from the last epoch checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import BaseModel
+
+from eagle3 import trainer_compat
+from eagle3.config import TrainConfig
+from eagle3.extract_hidden_states import FAULT_OOM_ENV
+from eagle3.store import atomic_write_text
+from eagle3.vocab_mapping import VocabManifest, load_vocab_mapping
+
+__all__ = ["FAULT_OOM_ENV", "OOM_EXIT", "TrainSpec", "train_attempt"]
+
+OOM_EXIT = 75
+
+
+class TrainSpec(BaseModel):
+    """Everything one attempt needs; written as JSON for a child process."""
+
+    cfg: TrainConfig
+    work: Path
+    verifier_path: Path
+    aux_layer_ids: list[int]
+    hidden_size: int
+    vocab: VocabManifest
+    total_seq_len: int
+    device: str
+
+    @property
+    def metrics_log(self) -> Path:
+        return self.work / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.work / "checkpoints"
+
+
+@contextmanager
+def _collect_metrics(log: Path, on_record) -> Iterator[None]:
+    """Append each dict speculators' Trainer logs to `speculators.metrics` (one per step and per
+    validation epoch) to `log`, which outlives a crash, and pass it to `on_record`."""
+    logger = logging.getLogger("speculators.metrics")
+
+    class _Sink(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if isinstance(record.msg, dict):
+                # Wall-clock profiles would make two identical trainings' artifacts differ.
+                entry = {k: v for k, v in record.msg.items() if k != "profile"}
+                with open(log, "a") as f:
+                    f.write(json.dumps(entry, default=float) + "\n")
+                on_record(entry)
+
+    handler = _Sink()
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _fault_oom_above(model, limit: int) -> None:
+    """The test hook `FAULT_OOM_ENV`: the real torch.OutOfMemoryError for any batch above `limit` tokens."""
+    forward = model.forward
+
+    def guarded(*args, **kwargs):
+        tokens = kwargs["input_ids"].numel() if "input_ids" in kwargs else args[0].numel()
+        if tokens > limit:
+            raise torch.OutOfMemoryError(f"simulated out of memory: {tokens} training tokens > {FAULT_OOM_ENV}={limit}")
+        return forward(*args, **kwargs)
+
+    model.forward = guarded
+
+
+def train_attempt(spec: TrainSpec, on_step=None) -> None:
+    """Train (or resume) into `spec.checkpoints`; rank 0 appends metrics to `spec.metrics_log`.
+
+    `on_step(step, total, metrics)` is called after every optimizer step on rank 0.
+    """
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.models.eagle3.rotary_partial import install_partial_neox_rotary
+    from speculators.train.cli import create_transformer_layer_config
+    from speculators.train.config import TrainConfig as SpeculatorsTrainConfig
+    from speculators.train.dataloader import create_train_val_loaders
+    from speculators.train.distributed import get_rank, maybe_destroy_distributed, maybe_setup_distributed
+    from speculators.train.trainer import TrainerConfig
+    from speculators.train.utils import resolve_mask_token_id
+    from hs_connectors import FileTransfer
+
+    cfg, device = spec.cfg, torch.device(spec.device)
+    data_dir = spec.work / "data"
+    verifier_path = str(spec.verifier_path)
+    flat = SpeculatorsTrainConfig.from_flat(
+        {
+            "verifier_name_or_path": verifier_path,
+            "data_path": str(data_dir),
+            "save_path": str(spec.checkpoints),
+            "target_layer_ids": spec.aux_layer_ids,
+            "draft_vocab_size": spec.vocab.draft_vocab_size,
+            "num_layers": cfg.num_layers,
+            "full_attention_indices": list(range(cfg.num_layers)),
+            "draft_attn_impl": trainer_compat.draft_attn_impl(device),
+            "loss_fn": cfg.loss_fn,
+            "loss_implementation": trainer_compat.loss_implementation(device),
+            "ttt_steps": cfg.ttt_steps,
+            "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
+            "optimizer": cfg.optimizer,
+            "lr": cfg.lr,
+            "epochs": cfg.epochs,
+            "total_seq_len": spec.total_seq_len,
+            "train_data_ratio": cfg.train_data_ratio,
+            "seed": cfg.seed,
+            "on_missing": "raise",
+            "num_workers": 0 if device.type == "cpu" else 4,
+        }
+    ).flatten()
+
+    if device.type == "cuda":
+        maybe_setup_distributed()  # a no-op outside torchrun
+    _seed(cfg.seed)
+    install_partial_neox_rotary()
+    d2t, t2d = load_vocab_mapping(spec.vocab)
+    layer_config = create_transformer_layer_config(
+        verifier_name_or_path=verifier_path,
+        num_layers=cfg.num_layers,
+        draft_arch=flat["draft_arch"],
+        hidden_act=flat["draft_hidden_act"],
+        sliding_window=flat["sliding_window"],
+        full_attention_indices=flat["full_attention_indices"],
+        mrope_full_head_hack=False,
+    )
+    flat["mask_token_id"] = resolve_mask_token_id(verifier_path, layer_config.vocab_size, None)
+    model = Eagle3DraftModel.from_training_args(verifier_config=layer_config, t2d=t2d, d2t=d2t, **flat)
+    if os.environ.get(FAULT_OOM_ENV):
+        _fault_oom_above(model, int(os.environ[FAULT_OOM_ENV]))
+
+    train_loader, val_loader = create_train_val_loaders(
+        data_path=str(data_dir),
+        total_seq_len=spec.total_seq_len,
+        hidden_states_dtype=torch.bfloat16,
+        transfer=FileTransfer(data_dir / "hidden_states"),
+        vllm_endpoint=flat["vllm_endpoint"],
+        on_missing="raise",
+        verifier_name_or_path=verifier_path,
+        request_timeout=flat["request_timeout"],
+        max_retries=flat["max_retries"],
+        generation_validation_retries=flat["generation_validation_retries"],
+        max_consecutive_generation_failures=flat["max_consecutive_generation_failures"],
+        hidden_size=spec.hidden_size,
+        num_target_layers=len(spec.aux_layer_ids),
+        num_workers=flat["num_workers"],
+        prefetch_factor=flat["prefetch_factor"],
+        preprocess=shift_batch,
+        train_data_ratio=cfg.train_data_ratio,
+        seed=cfg.seed,
+    )
+    train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(**flat)
+    trainer_config = TrainerConfig(
+        num_epochs=cfg.epochs,
+        save_path=flat["save_path"],
+        lr=cfg.lr,
+        resume_from_checkpoint=True,
+        train_call_kwargs=train_kwargs,
+        val_call_kwargs=val_kwargs,
+        optimizer=cfg.optimizer,
+        weight_decay=flat["weight_decay"],
+        muon_lr=flat["muon_lr"],
+        scheduler_type=flat["scheduler_type"],
+        hidden_states_dtype=torch.bfloat16,
+        log_freq=1,
+        checkpoint_freq=1,
+        fsdp_shard=cfg.fsdp,
+    )
+    total_steps = cfg.epochs * len(train_loader)
+    rank0 = get_rank() == 0
+    if rank0:
+        atomic_write_text(spec.work / "plan.json", json.dumps({"total_steps": total_steps}))
+
+    def on_record(record: dict) -> None:
+        if on_step is not None and "train" in record:
+            on_step(record["global_step"] + 1, total_steps, record["train"])
+
+    metrics = _collect_metrics(spec.metrics_log, on_record) if rank0 else _no_metrics()
+    try:
+        with trainer_compat.trainer_class(device) as trainer_cls, metrics:
+            trainer_cls(model, trainer_config, train_loader, val_loader).run_training()
+    finally:
+        maybe_destroy_distributed()
+
+
+@contextmanager
+def _no_metrics() -> Iterator[None]:
+    yield
+
+
+def main(argv: list[str]) -> int:
+    spec = TrainSpec.model_validate_json(Path(argv[0]).read_text())
+    rank = os.environ.get("RANK", "0")
+    oom = None
+    try:
+        train_attempt(spec)
+    except torch.OutOfMemoryError as exc:
+        oom = str(exc).splitlines()[0]
+    if oom is not None:
+        atomic_write_text(spec.work / f"oom-rank{rank}.json", json.dumps({"rank": rank, "error": oom}))
+        return OOM_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,85 @@
+"""Child-process attempts and per-host device locks (no GPU needed: the mechanisms are the same)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from eagle3.isolation import ChildProcessFailed, lock_free_gpus, run_attempt
+from eagle3.store import ArtifactError
+
+
+def report_devices(steps: int, on_progress) -> dict:
+    for step in range(steps):
+        on_progress(step + 1, steps)
+    return {"pid": os.getpid(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def fail_with(kind: str, on_progress) -> None:
+    if kind == "oom":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    if kind == "artifact":
+        raise ArtifactError("/data/train.jsonl", "record 7: field 'messages' is missing")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_an_attempt_runs_in_a_child_that_sees_only_its_devices():
+    progress = []
+
+    result = run_attempt(report_devices, {"steps": 3}, ["2", "5"], lambda *p: progress.append(p))
+
+    assert result["pid"] != os.getpid()
+    assert result["visible"] == "2,5"
+    assert progress == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_without_devices_the_attempt_runs_in_this_process():
+    assert run_attempt(report_devices, {"steps": 1}, None)["pid"] == os.getpid()
+
+
+def test_out_of_memory_and_input_errors_come_back_as_themselves():
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 2.00 GiB"):
+        run_attempt(fail_with, {"kind": "oom"}, ["0"])
+    with pytest.raises(ArtifactError, match="record 7: field 'messages'") as error:
+        run_attempt(fail_with, {"kind": "artifact"}, ["0"])
+    assert str(error.value.path) == "/data/train.jsonl"
+
+
+def test_a_killed_child_is_an_error_with_its_exit_code():
+    with pytest.raises(ChildProcessFailed, match=r"fail_with died in its child process \(exit code -9\)"):
+        run_attempt(fail_with, {"kind": "kill"}, ["0"])
+
+
+def test_device_locks_hand_out_distinct_devices_and_wait_when_all_are_taken(tmp_path):
+    with lock_free_gpus(["0", "1"], 1, tmp_path) as first, lock_free_gpus(["0", "1"], 1, tmp_path) as second:
+        assert sorted(first + second) == ["0", "1"]
+        with pytest.raises(RuntimeError, match=r"no 1 free GPU\(s\) among \['0', '1'\]"):
+            with lock_free_gpus(["0", "1"], 1, tmp_path, timeout_s=0.5):
+                pass
+    with lock_free_gpus(["0", "1"], 2, tmp_path) as both:
+        assert both == ["0", "1"]
+
+
+def test_a_killed_holder_frees_its_devices_at_once(tmp_path):
+    code = (
+        "import sys, time; from pathlib import Path; from eagle3.isolation import lock_free_gpus\n"
+        f"with lock_free_gpus(['0'], 1, Path({str(tmp_path)!r})):\n"
+        "    print('held', flush=True); time.sleep(600)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(RuntimeError, match="no 1 free GPU"):
+        with lock_free_gpus(["0"], 1, tmp_path, timeout_s=0.5):
+            pass
+
+    holder.kill()
+    holder.wait()
+    start = time.monotonic()
+    with lock_free_gpus(["0"], 1, tmp_path, timeout_s=5) as devices:
+        assert devices == ["0"] and time.monotonic() - start < 1.5

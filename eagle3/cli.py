@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measured acceptance length on {evaluation.num_prompts} prompts ({evaluation.path / 'report.json'}):")
     for r in evaluation.results:
         print(f"  {r['method']:>6} k={r['k']}: tau {r['tau']:.3f}")
+    print(result.promotion.summary())
     print(f"serve it: vllm serve {checkpoint.path}")
     return 0
 

@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     lineage.add_argument("digest", help="artifact digest or a unique prefix of it")
     lineage.add_argument("--store", help="artifact store directory (default: PipelineConfig's store_dir)")
     lineage.add_argument("--table", action="store_true", help="print a table instead of a Mermaid graph")
+    promoted = commands.add_parser("promoted", help="print the best promoted checkpoint per verifier and eval set, from the store alone")
+    promoted.add_argument("--store", help="artifact store directory (default: PipelineConfig's store_dir)")
     artifacts = commands.add_parser("artifacts", help="manage the artifact store")
     artifact_commands = artifacts.add_subparsers(dest="artifacts_command", required=True)
     gc = artifact_commands.add_parser("gc", help="remove artifacts and shards the latest N runs did not reach")
@@ -73,6 +75,26 @@ def _lineage(args) -> int:
     return 0
 
 
+def _promoted(args) -> int:
+    from eagle3.config import PipelineConfig
+    from eagle3.promotion import PROMOTIONS, promoted_checkpoints
+    from eagle3.store import ArtifactError, ArtifactStore
+
+    store = ArtifactStore(args.store or PipelineConfig().store_dir)
+    try:
+        best = promoted_checkpoints(store)
+    except ArtifactError as exc:
+        print(f"eagle3: {exc}", file=sys.stderr)
+        return 2
+    if not best:
+        print(f"no promoted checkpoint recorded in {store.root / PROMOTIONS}")
+    for record in best:
+        key = record.key
+        print(f"tau {record.tau:.3f} at k={key.k} (verifier {key.verifier[:12]}, eval prompts {key.prompts[:12]} x{key.num_prompts}, "
+              f"max_new_tokens {key.max_new_tokens}; run {record.run_id}): {record.checkpoint_path}")
+    return 0
+
+
 def _gpu_limit(gpus: int | None) -> int:
     import torch
     from prefect.client.orchestration import get_client
@@ -99,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return _lineage(args)
     if args.command == "artifacts":
         return _gc(args)
+    if args.command == "promoted":
+        return _promoted(args)
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as exc:
@@ -119,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measured acceptance length on {evaluation.num_prompts} prompts ({evaluation.path / 'report.json'}):")
     for r in evaluation.results:
         print(f"  {r['method']:>6} k={r['k']}: tau {r['tau']:.3f}")
+    print(result.promotion.summary())
     print(f"serve it: vllm serve {checkpoint.path}")
     return 0
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "ConfigError",
@@ -19,6 +19,7 @@ __all__ = [
     "ExportConfig",
     "ExtractConfig",
     "PipelineConfig",
+    "PromotionConfig",
     "RegenerateConfig",
     "TrainConfig",
     "VerifierConfig",
@@ -149,6 +150,21 @@ class EvalConfig(_Group):
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.", json_schema_extra=_NO_KEY)
 
 
+class PromotionConfig(_Group):
+    k: int | None = Field(
+        None,
+        description="Draft length whose measured EAGLE-3 tau decides promotion; it must be one of "
+        "evaluate.ks. None: the first of evaluate.ks.",
+    )
+    min_improvement: float = Field(
+        0.0,
+        ge=0,
+        description="A checkpoint is promoted when its tau exceeds the best earlier promoted checkpoint's "
+        "(same verifier, eval prompts, k, max_new_tokens and prompt count) by more than this; "
+        "0: any improvement, a tie keeps the earlier one.",
+    )
+
+
 class PipelineConfig(BaseModel):
     """Everything one run needs; the flow's only parameter."""
 
@@ -165,6 +181,14 @@ class PipelineConfig(BaseModel):
     train: TrainConfig = TrainConfig()
     export: ExportConfig = ExportConfig()
     evaluate: EvalConfig = EvalConfig()
+    promotion: PromotionConfig = PromotionConfig()
+
+    @model_validator(mode="after")
+    def _promotion_k_is_evaluated(self) -> PipelineConfig:
+        # Checked here, before any step runs, rather than after an hour of training.
+        if self.promotion.k is not None and self.promotion.k not in self.evaluate.ks:
+            raise ValueError(f"promotion.k={self.promotion.k} is not among evaluate.ks {self.evaluate.ks}")
+        return self
 
 
 def output_affecting(group: BaseModel) -> dict[str, Any]:
@@ -213,5 +237,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pi
         return PipelineConfig.model_validate(tree)
     except ValidationError as exc:
         where = f"--config '{path}'" if path else "overrides"
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        # A whole-config check (loc ()) names its fields in its message.
+        problems = "; ".join(": ".join(filter(None, [".".join(map(str, e["loc"])), e["msg"]])) for e in exc.errors())
         raise ConfigError(f"{where}: {problems}") from exc

@@ -1,5 +1,5 @@
 """The pipeline as one Prefect flow: verifier -> (regenerated answers) -> dataset ->
-hidden states + vocab mapping -> draft -> checkpoint -> evaluation."""
+hidden states + vocab mapping -> draft -> checkpoint -> evaluation -> promotion."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from eagle3.evaluate import EvalManifest, eval_prompts_source
 from eagle3.export import ExportManifest
 from eagle3.gc import store_in_use
 from eagle3.prepare_dataset import dataset_source
+from eagle3.promotion import PromotionRecord
 from eagle3.regenerate import regenerated_conversations
 from eagle3.store import ArtifactStore
 from eagle3.verifier import verifier_source
@@ -19,6 +20,7 @@ from tasks.export import export_checkpoint_task
 from tasks.extract import extract_hidden_states_task
 from tasks.lineage import publish_lineage_task
 from tasks.prepare import prepare_dataset_task
+from tasks.promote import promote_task
 from tasks.regenerate import regenerate_task
 from tasks.train import train_draft_task
 from tasks.verifier import resolve_verifier_task
@@ -28,12 +30,13 @@ from tasks.vocab import build_vocab_mapping_task
 class PipelineResult(BaseModel):
     checkpoint: ExportManifest
     evaluation: EvalManifest
+    promotion: PromotionRecord
 
 
 @flow(name="train-eagle3-draft")
 def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineResult:
-    """Train an EAGLE-3 draft for a verifier on a conversation dataset and measure its acceptance
-    length; every step is cached by content."""
+    """Train an EAGLE-3 draft for a verifier on a conversation dataset, measure its acceptance
+    length and promote it if it beats the best earlier one; every step but promotion is cached by content."""
     store = config.store_dir
     with store_in_use(ArtifactStore(store)):  # `eagle3 artifacts gc` refuses to run meanwhile
         verifier = resolve_verifier_task(store, config.verifier, verifier_source(config.verifier))
@@ -47,6 +50,7 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
         draft = train_draft_task(store, config.train, dataset, hidden_states, vocab, verifier)
         checkpoint = export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
         evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, eval_prompts_source(config.evaluate))
+        promotion = promote_task(store, config.promotion, evaluation)
         produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, evaluation]
         publish_lineage_task(store, [m for m in produced if m is not None])
-    return PipelineResult(checkpoint=checkpoint, evaluation=evaluation)
+    return PipelineResult(checkpoint=checkpoint, evaluation=evaluation, promotion=promotion)

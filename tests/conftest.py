@@ -44,13 +44,14 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
-def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str]):
-    """A one-file artifact with the given parents: lineage and gc tests need the graph, not the payload."""
+def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str], manifest_type=None, **fields):
+    """A one-file artifact with the given parents and manifest fields: lineage, gc and promotion
+    tests need the graph and the manifest, not the payload."""
     from eagle3.store import ArtifactManifest
 
     work = store.work_dir(kind, content)
     (work / "data.txt").write_text(content)
-    return store.publish(work, ArtifactManifest(kind=kind, path=work, parents=parents))
+    return store.publish(work, (manifest_type or ArtifactManifest)(kind=kind, path=work, parents=parents, **fields))
 
 
 def _free_port() -> int:

@@ -87,4 +87,4 @@ def test_a_triggered_run_completes_on_a_worker_with_its_artifacts(deployments, p
 
     assert state.is_completed(), output[-3000:]
     keys = {a.key for a in artifacts}
-    assert {"lineage", "acceptance-length", "draft-numbers", "hidden-states-numbers"} <= keys
+    assert {"lineage", "acceptance-length", "promotion", "draft-numbers", "hidden-states-numbers"} <= keys

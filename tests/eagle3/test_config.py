@@ -41,3 +41,8 @@ def test_batch_and_device_knobs_are_not_output_affecting():
 def test_aux_layer_ids_must_be_three_distinct():
     with pytest.raises(ConfigError, match="exactly 3 distinct"):
         load_config(None, ["extract.aux_layer_ids=[1, 1, 2]"])
+
+
+def test_promotion_k_must_be_an_evaluated_k():
+    with pytest.raises(ConfigError, match=r"promotion.k=7 is not among evaluate.ks \[3, 5\]"):
+        load_config(None, ["promotion.k=7"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 
@@ -46,13 +47,23 @@ def _run(config: PipelineConfig):
     with get_client(sync_client=True) as client:
         while True:
             runs = client.read_task_runs(flow_run_filter=flow_runs)
-            settled = len(runs) == len(STEPS) + 1 and all(run.state and run.state.is_final() for run in runs)
+            settled = len(runs) == len(STEPS) + 2 and all(run.state and run.state.is_final() for run in runs)
             if settled or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     states = {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
     assert states.pop("publish-lineage") == "Completed"  # every run publishes its lineage
-    return state.result().checkpoint, states
+    assert states.pop("promote") == "Completed"  # and decides promotion afresh: it depends on history
+    return state.result(), states
+
+
+def _artifact_descriptions(flow_run_id: str, key: str) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    only = ArtifactFilter(key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(flow_run_id)]))
+    with get_client(sync_client=True) as client:
+        return [a.description for a in client.read_artifacts(artifact_filter=only)]
 
 
 @pytest.fixture
@@ -64,13 +75,20 @@ def first_run(prefect_server, tiny_verifier, conversations, tmp_path):
 
 
 def test_identical_second_run_is_entirely_cached(first_run):
+    from eagle3.promotion import read_promotions
+    from eagle3.store import ArtifactStore
+
     config, first = first_run
 
     second, states = _run(config)
 
     assert states == dict.fromkeys(STEPS, "Cached")
-    assert second.digest == first.digest
-    assert (second.path / "model.safetensors").exists()
+    assert second.checkpoint.digest == first.checkpoint.digest
+    assert (second.checkpoint.path / "model.safetensors").exists()
+    # Not compared with itself: the same checkpoint stays promoted; both decisions are in the store and the UI.
+    assert first.promotion.promoted and second.promotion.promoted and second.promotion.best_earlier_tau is None
+    assert read_promotions(ArtifactStore(config.store_dir)) == [first.promotion, second.promotion]
+    assert _artifact_descriptions(second.promotion.run_id, "promotion") == [second.promotion.summary()]
 
 
 def test_changing_only_training_hyperparameters_reruns_train_and_export(first_run, tiny_verifier, conversations):
@@ -79,7 +97,7 @@ def test_changing_only_training_hyperparameters_reruns_train_and_export(first_ru
     result, states = _run(config.model_copy(update={"train": config.train.model_copy(update={"lr": 1e-3})}))
 
     assert states == {**dict.fromkeys(STEPS[:4], "Cached"), **dict.fromkeys(STEPS[4:], "Completed")}
-    assert result.digest != first.digest
+    assert result.checkpoint.digest != first.checkpoint.digest
 
 
 def test_changing_only_batch_knobs_reruns_nothing(first_run):
@@ -89,7 +107,7 @@ def test_changing_only_batch_knobs_reruns_nothing(first_run):
     result, states = _run(config.model_copy(update={"extract": extract}))
 
     assert states == dict.fromkeys(STEPS, "Cached")
-    assert result.digest == first.digest
+    assert result.checkpoint.digest == first.checkpoint.digest
 
 
 def test_editing_the_dataset_in_place_reruns_everything_downstream(first_run, conversations):
@@ -102,7 +120,7 @@ def test_editing_the_dataset_in_place_reruns_everything_downstream(first_run, co
     result, states = _run(config)
 
     assert states == {"resolve-verifier": "Cached", **dict.fromkeys(STEPS[1:], "Completed")}
-    assert result.digest != first.digest
+    assert result.checkpoint.digest != first.checkpoint.digest
 
 
 def test_appending_records_extracts_only_the_new_shard(first_run, conversations):
@@ -116,7 +134,7 @@ def test_appending_records_extracts_only_the_new_shard(first_run, conversations)
     result, states = _run(config)
 
     assert states == {"resolve-verifier": "Cached", **dict.fromkeys(STEPS[1:], "Completed")}
-    hidden = ArtifactStore(config.store_dir).load(HiddenStatesManifest, result.parents["hidden_states"])
+    hidden = ArtifactStore(config.store_dir).load(HiddenStatesManifest, result.checkpoint.parents["hidden_states"])
     # 40 records in shards of 16 -> 48 records: shards 0-1 are reused, only shard 2 (now 16 records) is extracted
     assert (hidden.num_records, hidden.extracted_shards, hidden.reused_shards) == (48, 1, 2)
 
@@ -135,7 +153,7 @@ def test_regeneration_feeds_the_verifiers_answers_into_the_dataset(prefect_serve
     store = ArtifactStore(config.store_dir)
     [regenerated] = [store.load(RegeneratedManifest, p.name) for p in (store.root / "artifacts").iterdir()
                      if '"kind": "regenerated"' in (p / "manifest.json").read_text()]
-    [dataset] = [n for n in lineage(store, [result.digest]).values() if n["kind"] == "dataset"]
+    [dataset] = [n for n in lineage(store, [result.checkpoint.digest]).values() if n["kind"] == "dataset"]
     assert regenerated.num_records == dataset["num_records"] == 12
     assert dataset["parents"]["source"] == digest_file(regenerated_conversations(regenerated))
 
@@ -149,4 +167,4 @@ def test_gc_after_a_run_keeps_everything_the_run_reached(first_run):
     assert main(["artifacts", "gc", "--keep-runs", "1", "--store", config.store_dir]) == 0
 
     assert set((Path(config.store_dir) / "artifacts").iterdir()) == artifacts
-    assert (first.path / "model.safetensors").exists()
+    assert (first.checkpoint.path / "model.safetensors").exists()

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChildProcessFailed", "gpu_memory_used_mib", "host_gpu_ids", "lock_free_gpus", "run_attempt"]
+__all__ = ["ChildProcessFailed", "gpu_memory_used_mib", "host_gpu_ids", "in_process_device", "lock_free_gpus", "run_attempt"]
 
 
 class ChildProcessFailed(RuntimeError):
@@ -103,6 +103,12 @@ def host_gpu_ids() -> list[str]:
     import torch
 
     return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def in_process_device(devices: list[str] | None, fallback: str) -> str:
+    """The torch device for work that stays in this process: the first claimed GPU, indexed as this
+    process sees it (`fallback` when nothing was claimed)."""
+    return fallback if devices is None else f"cuda:{host_gpu_ids().index(devices[0])}"
 
 
 @contextmanager

@@ -9,6 +9,7 @@ from eagle3 import evaluate as step
 from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStatesManifest
+from eagle3.isolation import in_process_device
 from eagle3.store import ArtifactStore, step_provenance
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
@@ -27,8 +28,8 @@ def evaluate_task(
 ) -> step.EvalManifest:
     store = ArtifactStore(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts)
-    with claim_gpus(cfg.device):
-        manifest = step.evaluate(cfg, checkpoint, hidden_states, verifier, prompts, store, provenance)
+    with claim_gpus(cfg.device) as gpus:  # runs in this process, on the claimed GPU
+        manifest = step.evaluate(cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)}), checkpoint, hidden_states, verifier, prompts, store, provenance)
     create_table_artifact(
         key="acceptance-length",
         table=[{**r, "acceptance_by_position": [round(a, 3) for a in r["acceptance_by_position"]]} for r in manifest.results],

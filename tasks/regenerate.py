@@ -6,6 +6,7 @@ from prefect import task
 
 from eagle3 import regenerate as step
 from eagle3.config import RegenerateConfig
+from eagle3.isolation import in_process_device
 from eagle3.store import ArtifactStore, step_provenance
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
@@ -17,8 +18,8 @@ from tasks.report import publish_step_report
 def regenerate_task(store_dir: str, cfg: RegenerateConfig, source: Path, verifier: VerifierManifest) -> step.RegeneratedManifest:
     store = ArtifactStore(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
-    with claim_gpus(cfg.device):
-        manifest = step.regenerate(cfg, source, verifier, store, provenance)
+    with claim_gpus(cfg.device) as gpus:  # runs in this process, on the claimed GPU
+        manifest = step.regenerate(cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)}), source, verifier, store, provenance)
     publish_step_report(manifest, {"num_records": manifest.num_records, "num_generated_tokens": manifest.num_generated_tokens,
                                    "failed": len(manifest.failed)})
     return manifest

@@ -10,6 +10,7 @@ from eagle3.config import PipelineConfig
 from eagle3.evaluate import EvalManifest, eval_prompts_source
 from eagle3.export import ExportManifest
 from eagle3.gc import store_in_use
+from eagle3.lineage import RunLineage
 from eagle3.prepare_dataset import dataset_source
 from eagle3.regenerate import regenerated_conversations
 from eagle3.store import ArtifactStore
@@ -28,6 +29,7 @@ from tasks.vocab import build_vocab_mapping_task
 class PipelineResult(BaseModel):
     checkpoint: ExportManifest
     evaluation: EvalManifest
+    lineage: RunLineage
 
 
 @flow(name="train-eagle3-draft")
@@ -48,5 +50,5 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
         checkpoint = export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
         evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, eval_prompts_source(config.evaluate))
         produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, evaluation]
-        publish_lineage_task(store, [m for m in produced if m is not None])
-    return PipelineResult(checkpoint=checkpoint, evaluation=evaluation)
+        lineage = publish_lineage_task(store, [m for m in produced if m is not None])
+    return PipelineResult(checkpoint=checkpoint, evaluation=evaluation, lineage=lineage)

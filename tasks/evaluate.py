@@ -9,11 +9,12 @@ from eagle3 import evaluate as step
 from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStatesManifest
-from eagle3.store import ArtifactStore, step_provenance
+from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
 from tasks.gpu import claim_gpus
 from tasks.report import publish_step_report
+from tasks.store import run_store
 
 
 @task(name="evaluate", cache_policy=step_cache_policy(step), persist_result=True)
@@ -25,7 +26,7 @@ def evaluate_task(
     verifier: VerifierManifest,
     prompts: Path,
 ) -> step.EvalManifest:
-    store = ArtifactStore(store_dir)
+    store = run_store(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts)
     with claim_gpus(cfg.device):
         manifest = step.evaluate(cfg, checkpoint, hidden_states, verifier, prompts, store, provenance)

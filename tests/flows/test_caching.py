@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 
@@ -13,6 +17,7 @@ from eagle3.config import PipelineConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
+REPO = Path(__file__).resolve().parents[2]
 STEPS = [
     "resolve-verifier", "prepare-dataset", "extract-hidden-states", "build-vocab-mapping",
     "train-draft", "export-checkpoint", "evaluate",
@@ -32,7 +37,7 @@ def _config(store, verifier, data, **train) -> PipelineConfig:
 
 
 def _run(config: PipelineConfig):
-    """Run the flow; return its result and each task's final state name."""
+    """Run the flow; return its result (checkpoint and lineage) and each task's final state name."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -52,7 +57,7 @@ def _run(config: PipelineConfig):
             time.sleep(0.2)
     states = {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
     assert states.pop("publish-lineage") == "Completed"  # every run publishes its lineage
-    return state.result().checkpoint, states
+    return state.result(), states
 
 
 @pytest.fixture
@@ -63,14 +68,50 @@ def first_run(prefect_server, tiny_verifier, conversations, tmp_path):
     return config, result
 
 
-def test_identical_second_run_is_entirely_cached(first_run):
+def test_identical_second_run_is_entirely_cached_and_says_nothing_changed(first_run):
+    from eagle3.lineage import lineage, lineage_table
+    from eagle3.store import ArtifactStore
+
     config, first = first_run
 
     second, states = _run(config)
 
     assert states == dict.fromkeys(STEPS, "Cached")
-    assert second.digest == first.digest
-    assert (second.path / "model.safetensors").exists()
+    assert second.checkpoint.digest == first.checkpoint.digest
+    assert (second.checkpoint.path / "model.safetensors").exists()
+    # What changed comes from the producers in the store: every artifact names the first run.
+    assert second.lineage.changes == (
+        f"Nothing changed: this run produced no artifact; all 6 artifacts it used come from earlier runs ({first.lineage.run_id})."
+    )
+    assert second.checkpoint.producer == first.checkpoint.producer
+    assert first.checkpoint.producer.flow_run_id == first.lineage.run_id
+    nodes = lineage(ArtifactStore(config.store_dir), [second.checkpoint.digest])
+    origins = {row["kind"]: row["origin"] for row in lineage_table(nodes, second.lineage.run_id)}
+    assert origins["checkpoint"] == origins["draft"] == f"cached: produced by run {first.lineage.run_id}"
+
+
+def test_eagle3_lineage_of_a_flow_run_id_prints_the_graph_the_run_published_without_a_server(first_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    config, first = first_run
+    published_graph = ArtifactFilter(
+        key=ArtifactFilterKey(any_=["lineage-graph"]), flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(first.lineage.run_id)])
+    )
+    with get_client(sync_client=True) as client:
+        [published] = client.read_artifacts(artifact_filter=published_graph)
+
+    no_server = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # nothing listens on port 9
+
+    cli = subprocess.run(
+        [sys.executable, "-m", "eagle3.cli", "lineage", first.lineage.run_id, "--store", config.store_dir],
+        cwd=REPO, env=no_server, capture_output=True, text=True, timeout=60,
+    )
+
+    assert cli.returncode == 0, cli.stderr
+    assert f"```mermaid\n{cli.stdout}```" in published.data
+    assert cli.stderr == first.lineage.changes + "\n"
+    assert first.lineage.changes.startswith("This run produced 6 of its 6 artifacts")
 
 
 def test_changing_only_training_hyperparameters_reruns_train_and_export(first_run, tiny_verifier, conversations):
@@ -79,7 +120,8 @@ def test_changing_only_training_hyperparameters_reruns_train_and_export(first_ru
     result, states = _run(config.model_copy(update={"train": config.train.model_copy(update={"lr": 1e-3})}))
 
     assert states == {**dict.fromkeys(STEPS[:4], "Cached"), **dict.fromkeys(STEPS[4:], "Completed")}
-    assert result.digest != first.digest
+    assert result.checkpoint.digest != first.checkpoint.digest
+    assert result.lineage.changes == "This run produced 3 of its 6 artifacts: checkpoint, draft, evaluation."
 
 
 def test_changing_only_batch_knobs_reruns_nothing(first_run):
@@ -89,7 +131,7 @@ def test_changing_only_batch_knobs_reruns_nothing(first_run):
     result, states = _run(config.model_copy(update={"extract": extract}))
 
     assert states == dict.fromkeys(STEPS, "Cached")
-    assert result.digest == first.digest
+    assert result.checkpoint.digest == first.checkpoint.digest
 
 
 def test_editing_the_dataset_in_place_reruns_everything_downstream(first_run, conversations):
@@ -102,7 +144,7 @@ def test_editing_the_dataset_in_place_reruns_everything_downstream(first_run, co
     result, states = _run(config)
 
     assert states == {"resolve-verifier": "Cached", **dict.fromkeys(STEPS[1:], "Completed")}
-    assert result.digest != first.digest
+    assert result.checkpoint.digest != first.checkpoint.digest
 
 
 def test_appending_records_extracts_only_the_new_shard(first_run, conversations):
@@ -116,7 +158,7 @@ def test_appending_records_extracts_only_the_new_shard(first_run, conversations)
     result, states = _run(config)
 
     assert states == {"resolve-verifier": "Cached", **dict.fromkeys(STEPS[1:], "Completed")}
-    hidden = ArtifactStore(config.store_dir).load(HiddenStatesManifest, result.parents["hidden_states"])
+    hidden = ArtifactStore(config.store_dir).load(HiddenStatesManifest, result.checkpoint.parents["hidden_states"])
     # 40 records in shards of 16 -> 48 records: shards 0-1 are reused, only shard 2 (now 16 records) is extracted
     assert (hidden.num_records, hidden.extracted_shards, hidden.reused_shards) == (48, 1, 2)
 
@@ -135,7 +177,7 @@ def test_regeneration_feeds_the_verifiers_answers_into_the_dataset(prefect_serve
     store = ArtifactStore(config.store_dir)
     [regenerated] = [store.load(RegeneratedManifest, p.name) for p in (store.root / "artifacts").iterdir()
                      if '"kind": "regenerated"' in (p / "manifest.json").read_text()]
-    [dataset] = [n for n in lineage(store, [result.digest]).values() if n["kind"] == "dataset"]
+    [dataset] = [n for n in lineage(store, [result.checkpoint.digest]).values() if n["kind"] == "dataset"]
     assert regenerated.num_records == dataset["num_records"] == 12
     assert dataset["parents"]["source"] == digest_file(regenerated_conversations(regenerated))
 
@@ -149,4 +191,4 @@ def test_gc_after_a_run_keeps_everything_the_run_reached(first_run):
     assert main(["artifacts", "gc", "--keep-runs", "1", "--store", config.store_dir]) == 0
 
     assert set((Path(config.store_dir) / "artifacts").iterdir()) == artifacts
-    assert (first.path / "model.safetensors").exists()
+    assert (first.checkpoint.path / "model.safetensors").exists()

@@ -7,7 +7,8 @@ that layout in its work dir (the hidden-state files are linked, not copied), the
 per epoch (resumed after a crash, optimizer included) and per-step `loss_k`/`full_acc_k`/`cond_acc_k`.
 
 Output: `checkpoint/` (the last epoch's `config.json` + `model.safetensors`, as speculators saves
-them) and `metrics.jsonl` (one line per step and per validation epoch). The simulated acceptance
+them), `metrics.jsonl` (one line per step and per validation epoch) and `training_curves.png`
+(loss and per-TTT-step acceptance by epoch, drawn from `metrics.jsonl`). The simulated acceptance
 length is `1 + sum_j prod_{i<=j} cond_acc_i` over the TTT steps, from validation accuracies.
 Cost on CPU: ~1.3 s per 512-token step for a SmolLM2-135M verifier.
 """
@@ -32,6 +33,7 @@ from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest, hidden_state_files, resolve_device
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
+from eagle3.training_curves import render_training_curves
 from eagle3.verifier import VerifierManifest
 from eagle3.vocab_mapping import VocabManifest, load_vocab_mapping
 
@@ -44,6 +46,7 @@ class DraftManifest(ArtifactManifest):
     num_steps: int
     tau_sim: float
     checkpoint: str = "checkpoint"
+    curves: str = "training_curves.png"
 
 
 def simulated_acceptance_length(cond_acc: list[float]) -> float:
@@ -244,6 +247,7 @@ def train_draft(
     for name in ("config.json", "model.safetensors"):
         shutil.copy2(work / "checkpoints" / str(last_epoch) / name, out / "checkpoint" / name)
     shutil.copy2(metrics_log, out / "metrics.jsonl")
+    render_training_curves(metrics_log, out / "training_curves.png", cfg.ttt_steps)
     manifest = store.publish(
         out,
         DraftManifest(

@@ -11,7 +11,7 @@ from eagle3.verifier import VerifierManifest
 from eagle3.vocab_mapping import VocabManifest
 from tasks.cache import step_cache_policy
 from tasks.gpu import claim_gpus
-from tasks.report import Progress, publish_step_report
+from tasks.report import Progress, publish_image, publish_step_report
 from tasks.store import run_store
 
 
@@ -31,4 +31,5 @@ def train_draft_task(
             cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)")
         )
     publish_step_report(manifest, {"num_steps": manifest.num_steps, "tau_sim": round(manifest.tau_sim, 4)})
+    publish_image("training-curves", manifest.path / manifest.curves, "training curves: loss and acceptance per TTT step")
     return manifest

@@ -90,16 +90,20 @@ def test_identical_second_run_is_entirely_cached_and_says_nothing_changed(first_
     assert origins["checkpoint"] == origins["draft"] == f"cached: produced by run {first.lineage.run_id}"
 
 
-def test_eagle3_lineage_of_a_flow_run_id_prints_the_graph_the_run_published_without_a_server(first_run):
+def _published(key: str, run_id: str):
+    """The artifact with `key` that flow run `run_id` published, read back from the server."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
-    config, first = first_run
-    published_graph = ArtifactFilter(
-        key=ArtifactFilterKey(any_=["lineage-graph"]), flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(first.lineage.run_id)])
-    )
+    of_run = ArtifactFilter(key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(run_id)]))
     with get_client(sync_client=True) as client:
-        [published] = client.read_artifacts(artifact_filter=published_graph)
+        [artifact] = client.read_artifacts(artifact_filter=of_run)
+    return artifact
+
+
+def test_eagle3_lineage_of_a_flow_run_id_prints_the_graph_the_run_published_without_a_server(first_run):
+    config, first = first_run
+    published = _published("lineage-graph", first.lineage.run_id)
 
     no_server = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # nothing listens on port 9
 
@@ -112,6 +116,21 @@ def test_eagle3_lineage_of_a_flow_run_id_prints_the_graph_the_run_published_with
     assert f"```mermaid\n{cli.stdout}```" in published.data
     assert cli.stderr == first.lineage.changes + "\n"
     assert first.lineage.changes.startswith("This run produced 6 of its 6 artifacts")
+
+
+def test_a_run_that_trains_attaches_the_drafts_training_curves(first_run):
+    import base64
+
+    from eagle3.store import ArtifactStore
+    from eagle3.train import DraftManifest
+
+    config, first = first_run
+
+    attached = _published("training-curves", first.lineage.run_id)
+
+    draft = ArtifactStore(config.store_dir).load(DraftManifest, first.checkpoint.parents["draft"])
+    encoded = attached.data.split("(data:image/png;base64,", 1)[1].split(")", 1)[0]
+    assert base64.b64decode(encoded) == (draft.path / draft.curves).read_bytes()
 
 
 def test_changing_only_training_hyperparameters_reruns_train_and_export(first_run, tiny_verifier, conversations):

@@ -23,8 +23,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", help="key.sub=value, e.g. train.lr=1e-4 verifier.path=./my-model")
     limit = commands.add_parser("gpu-limit", help="create or resize the Prefect 'gpu' concurrency limit GPU steps claim")
     limit.add_argument("--gpus", type=int, help="slots (default: the GPUs this host sees)")
-    lineage = commands.add_parser("lineage", help="print where an artifact came from (Mermaid graph), from the store alone")
-    lineage.add_argument("digest", help="artifact digest or a unique prefix of it")
+    lineage = commands.add_parser(
+        "lineage", help="print a flow run's or an artifact's lineage (Mermaid graph), from the store alone"
+    )
+    lineage.add_argument("ref", help="flow run id or artifact digest, or a unique prefix of either")
     lineage.add_argument("--store", help="artifact store directory (default: PipelineConfig's store_dir)")
     lineage.add_argument("--table", action="store_true", help="print a table instead of a Mermaid graph")
     promoted = commands.add_parser("promoted", help="print the best promoted checkpoint per verifier and eval set, from the store alone")
@@ -58,20 +60,24 @@ def _gc(args) -> int:
 
 def _lineage(args) -> int:
     from eagle3.config import PipelineConfig
-    from eagle3.lineage import find_artifact, lineage, lineage_table, to_mermaid
+    from eagle3.lineage import change_summary, lineage, lineage_table, to_mermaid
+    from eagle3.runs import lineage_roots
     from eagle3.store import ArtifactError, ArtifactStore
 
     store = ArtifactStore(args.store or PipelineConfig().store_dir)
     try:
-        nodes = lineage(store, [find_artifact(store, args.digest)])
+        roots, run_id = lineage_roots(store, args.ref)
+        nodes = lineage(store, roots)
     except ArtifactError as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2
     if args.table:
-        for row in lineage_table(nodes):
-            print(f"{row['kind']:<14} {row['digest']}  {row['parents']}")
+        for row in lineage_table(nodes, run_id):
+            print(f"{row['kind']:<14} {row['digest']}  {row['origin']:<50} {row['parents']}")
     else:
-        print(to_mermaid(nodes))
+        print(to_mermaid(nodes, run_id))
+    if run_id is not None:
+        print(change_summary(nodes, run_id), file=sys.stderr)  # stdout stays a valid Mermaid file
     return 0
 
 
@@ -145,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['method']:>6} k={r['k']}: tau {r['tau']:.3f}")
     print(result.promotion.summary())
     print(f"serve it: vllm serve {checkpoint.path}")
+    print(f"{result.lineage.changes} Lineage: eagle3 lineage {result.lineage.run_id}")
     return 0
 
 

@@ -1,8 +1,8 @@
 """Garbage collection: drop artifacts and shards that none of the latest N runs reached.
 
-Each finished run records `runs/<time>-<run id>.json`: every artifact digest in its lineage and
-the hidden-state shard keys they use. A flow holds a shared lock on `gc.lock` while it runs; gc
-takes it exclusively, so it never deletes under a running flow (it refuses instead of waiting).
+Each finished run records what it reached (`eagle3/runs.py`). A flow holds a shared lock on
+`gc.lock` while it runs; gc takes it exclusively, so it never deletes under a running flow (it
+refuses instead of waiting).
 Unfinished work directories (`work/`) are kept: they are what a killed run resumes from.
 """
 
@@ -11,15 +11,13 @@ from __future__ import annotations
 import fcntl
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
-from eagle3.lineage import lineage
-from eagle3.store import ArtifactError, ArtifactStore, atomic_write_text
+from eagle3.runs import run_records
+from eagle3.store import ArtifactError, ArtifactStore
 
-__all__ = ["collect_garbage", "record_run", "store_in_use"]
+__all__ = ["collect_garbage", "store_in_use"]
 
 
 @contextmanager
@@ -40,17 +38,6 @@ def store_in_use(store: ArtifactStore):
     return _lock(store, fcntl.LOCK_SH)
 
 
-def record_run(store: ArtifactStore, run_id: str, digests: list[str]) -> Path:
-    """Record what a finished run reached: its artifacts, their ancestors and their shards."""
-    nodes = lineage(store, digests)
-    artifacts = sorted(d for d, n in nodes.items() if n["kind"] != "input")
-    shards = sorted(s["key"] for n in nodes.values() if n["kind"] == "hidden_states" for s in n["shards"])
-    path = store.root / "runs" / f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{run_id}.json"
-    path.parent.mkdir(exist_ok=True)
-    atomic_write_text(path, json.dumps({"run_id": run_id, "artifacts": artifacts, "shards": shards}, indent=0))
-    return path
-
-
 def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False) -> dict[str, int]:
     """Delete what the latest `keep_runs` runs did not reach; returns counts and bytes freed.
 
@@ -58,7 +45,7 @@ def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False)
         ArtifactError: a flow is running on the store, or no run has been recorded yet.
     """
     with _lock(store, fcntl.LOCK_EX | fcntl.LOCK_NB):
-        records = sorted((store.root / "runs").glob("*.json")) if (store.root / "runs").exists() else []
+        records = run_records(store)
         if not records:
             raise ArtifactError(store.root, "no finished run is recorded; nothing is known to be live, so nothing is removed")
         live_artifacts: set[str] = set()

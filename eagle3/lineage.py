@@ -2,15 +2,26 @@
 
 Every manifest names its parents by digest; a parent that is itself an artifact in the store is
 followed, any other (a source file, a verifier directory used in place) is shown as an input.
+Every manifest also names its producer (the flow run and task run that first published it), so
+for one flow run the graph tells what the run produced and what it took from earlier runs.
 """
 
 from __future__ import annotations
 
 import json
 
+from pydantic import BaseModel
+
 from eagle3.store import MANIFEST, ArtifactError, ArtifactStore
 
-__all__ = ["find_artifact", "lineage", "lineage_table", "to_mermaid"]
+__all__ = ["RunLineage", "change_summary", "find_artifact", "lineage", "lineage_table", "to_mermaid"]
+
+
+class RunLineage(BaseModel):
+    """What a flow run hands back about its lineage."""
+
+    run_id: str
+    changes: str  # what the run produced, or "Nothing changed: ..."
 
 
 def find_artifact(store: ArtifactStore, prefix: str) -> str:
@@ -40,23 +51,61 @@ def lineage(store: ArtifactStore, digests: list[str]) -> dict[str, dict]:
     return nodes
 
 
-def lineage_table(nodes: dict[str, dict]) -> list[dict]:
+def _producing_run(node: dict) -> str | None:
+    """The flow run that first published the artifact; None for inputs and for artifacts
+    published outside a flow run."""
+    return (node.get("producer") or {}).get("flow_run_id")
+
+
+def _origin(node: dict, run_id: str | None) -> str:
+    producer = _producing_run(node)
+    if node["kind"] == "input":
+        return "input"
+    if producer is None:
+        return "published outside a flow run"
+    if producer == run_id:
+        return "produced by this run"
+    return f"{'cached: ' if run_id else ''}produced by run {producer}"
+
+
+def lineage_table(nodes: dict[str, dict], run_id: str | None = None) -> list[dict]:
+    """One row per node: digest, parents' digests, producing task run and flow run; `run_id` (the
+    run the table is for) tells this run's artifacts from cached ones."""
     return [
         {"kind": n["kind"], "digest": d[:16], "parents": ", ".join(f"{k}={v[:12]}" for k, v in n["parents"].items()),
+         "origin": _origin(n, run_id), "task_run": (n.get("producer") or {}).get("task_run_id", ""),
          "path": str(n.get("path", n.get("name", "")))}
         for d, n in sorted(nodes.items(), key=lambda item: item[1]["kind"])
     ]
 
 
-def to_mermaid(nodes: dict[str, dict]) -> str:
-    """A Mermaid flowchart: one node per artifact or input, an edge from each parent to its child."""
+def to_mermaid(nodes: dict[str, dict], run_id: str | None = None) -> str:
+    """A Mermaid flowchart: one node per artifact or input, labelled with its producing run, an
+    edge from each parent to its child; with `run_id`, this run's artifacts are drawn as new."""
     lines = ["flowchart LR"]
     for digest, node in nodes.items():
-        label = f"{node['kind']}<br/>{digest[:12]}" if node["kind"] != "input" else f"input: {node['name']}<br/>{digest[:12]}"
-        shape = f'(["{label}"])' if node["kind"] == "input" else f'["{label}"]'
-        lines.append(f"  n{digest[:12]}{shape}")
+        if node["kind"] == "input":
+            lines.append(f"  n{digest[:12]}([\"input: {node['name']}<br/>{digest[:12]}\"])")
+            continue
+        producer = _producing_run(node)
+        by = f"<br/>run {producer[:8]}" if producer else ""
+        style = "" if run_id is None else ":::new" if producer == run_id else ":::cached"
+        lines.append(f"  n{digest[:12]}[\"{node['kind']}<br/>{digest[:12]}{by}\"]{style}")
     for digest, node in nodes.items():
         for name, parent in node["parents"].items():
             lines.append(f"  n{parent[:12]} -->|{name}| n{digest[:12]}")
+    if run_id is not None:
+        lines += ["  classDef new fill:#d6f5d6,stroke:#2e7d32", "  classDef cached fill:#e8e8e8,stroke:#757575"]
     return "\n".join(lines)
 
+
+def change_summary(nodes: dict[str, dict], run_id: str) -> str:
+    """What run `run_id` changed, from the producers in the store: nothing, when every artifact
+    it used was produced by an earlier run."""
+    artifacts = [n for n in nodes.values() if n["kind"] != "input"]
+    new = sorted(n["kind"] for n in artifacts if _producing_run(n) == run_id)
+    if new:
+        return f"This run produced {len(new)} of its {len(artifacts)} artifacts: {', '.join(new)}."
+    earlier = sorted({r for n in artifacts if (r := _producing_run(n))}) or ["outside a flow run"]
+    return (f"Nothing changed: this run produced no artifact; all {len(artifacts)} artifacts it used "
+            f"come from earlier runs ({', '.join(earlier)}).")

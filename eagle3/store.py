@@ -28,6 +28,7 @@ __all__ = [
     "ArtifactError",
     "ArtifactManifest",
     "ArtifactStore",
+    "Producer",
     "Provenance",
     "Stopwatch",
     "atomic_write_bytes",
@@ -69,6 +70,14 @@ class Provenance(BaseModel):
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
 
 
+class Producer(BaseModel):
+    """The flow run and task run that first published an artifact. Not part of the digest: equal
+    bytes from a later run are the same artifact, and keep their first producer."""
+
+    flow_run_id: str = Field(description="Prefect flow run id")
+    task_run_id: str = Field(description="Prefect task run id")
+
+
 class ArtifactManifest(Provenance):
     """What a step hands on: where its output is and what shaped it. Never tensors."""
 
@@ -77,6 +86,7 @@ class ArtifactManifest(Provenance):
     path: Path
     num_bytes: int = 0
     seconds: float = 0.0
+    producer: Producer | None = Field(None, description="who published it; None when published outside a flow run")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -119,8 +129,11 @@ def digest_tree(root: Path, file_digest=digest_file) -> str:
 
 
 class ArtifactStore:
-    def __init__(self, root: Path | str):
+    """`producer`, when given, is stamped on every artifact this store object publishes."""
+
+    def __init__(self, root: Path | str, producer: Producer | None = None):
         self.root = Path(root).expanduser()
+        self.producer = producer
         (self.root / "artifacts").mkdir(parents=True, exist_ok=True)
         (self.root / "work").mkdir(parents=True, exist_ok=True)
 
@@ -156,15 +169,18 @@ class ArtifactStore:
     def publish(self, work: Path, manifest: M) -> M:
         """Turn a finished work directory into an artifact named by its content digest.
 
-        `manifest` comes with everything but `digest`, `path` and `num_bytes`, which are filled here.
+        `manifest` comes with everything but `digest`, `path`, `num_bytes` and `producer`, which are
+        filled here. An artifact already in the store keeps its manifest, so its first producer.
         """
         digest = digest_tree(work)
         final = self.artifact_dir(digest)
         num_bytes = sum(p.stat().st_size for p in _files(work))
-        manifest = manifest.model_copy(update={"digest": digest, "path": final, "num_bytes": num_bytes})
+        manifest = manifest.model_copy(update={"digest": digest, "path": final, "num_bytes": num_bytes, "producer": self.producer})
         atomic_write_text(work / MANIFEST, manifest.model_dump_json(indent=2))
         if final.exists():
             shutil.rmtree(work)
+            first = type(manifest).model_validate_json((final / MANIFEST).read_text())
+            manifest = manifest.model_copy(update={"producer": first.producer})
         else:
             os.replace(work, final)
             _fsync_dir(final.parent)

@@ -11,7 +11,8 @@ process per claimed device, so every attempt starts with empty GPUs; out of memo
 the last epoch checkpoint with half the batch (`total_seq_len`), recorded in the manifest.
 
 Output: `checkpoint/` (the last epoch's `config.json` + `model.safetensors`, as speculators saves
-them) and `metrics.jsonl` (one line per step and per validation epoch). The simulated acceptance
+them), `metrics.jsonl` (one line per step and per validation epoch) and `training_curves.png`
+(loss and per-TTT-step acceptance by epoch, drawn from `metrics.jsonl`). The simulated acceptance
 length is `1 + sum_j prod_{i<=j} cond_acc_i` over the TTT steps, from validation accuracies.
 Cost on CPU: ~1.3 s per 512-token step for a SmolLM2-135M verifier.
 """
@@ -37,6 +38,7 @@ from eagle3.isolation import gpu_memory_used_mib
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.train_worker import TrainSpec, train_attempt
+from eagle3.training_curves import render_training_curves
 from eagle3.verifier import VerifierManifest
 from eagle3.vocab_mapping import VocabManifest
 
@@ -56,6 +58,7 @@ class DraftManifest(ArtifactManifest):
     gpu_memory_after_mib: dict[str, int] | None = Field(
         None, description="memory in use on each claimed GPU once the training processes exited"
     )
+    curves: str = "training_curves.png"
 
 
 def simulated_acceptance_length(cond_acc: list[float]) -> float:
@@ -191,6 +194,7 @@ def train_draft(
     for name in ("config.json", "model.safetensors"):
         shutil.copy2(spec.checkpoints / str(last_epoch) / name, out / "checkpoint" / name)
     shutil.copy2(spec.metrics_log, out / "metrics.jsonl")
+    render_training_curves(spec.metrics_log, out / "training_curves.png", cfg.ttt_steps)
     manifest = store.publish(
         out,
         DraftManifest(

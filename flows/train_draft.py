@@ -10,6 +10,7 @@ from eagle3.config import PipelineConfig
 from eagle3.evaluate import EvalManifest, eval_prompts_source
 from eagle3.export import ExportManifest
 from eagle3.gc import store_in_use
+from eagle3.lineage import RunLineage
 from eagle3.prepare_dataset import dataset_source
 from eagle3.promotion import PromotionRecord
 from eagle3.regenerate import regenerated_conversations
@@ -31,6 +32,7 @@ class PipelineResult(BaseModel):
     checkpoint: ExportManifest
     evaluation: EvalManifest
     promotion: PromotionRecord
+    lineage: RunLineage
 
 
 @flow(name="train-eagle3-draft")
@@ -52,5 +54,5 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
         evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, eval_prompts_source(config.evaluate))
         promotion = promote_task(store, config.promotion, evaluation)
         produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, evaluation]
-        publish_lineage_task(store, [m for m in produced if m is not None])
-    return PipelineResult(checkpoint=checkpoint, evaluation=evaluation, promotion=promotion)
+        lineage = publish_lineage_task(store, [m for m in produced if m is not None])
+    return PipelineResult(checkpoint=checkpoint, evaluation=evaluation, promotion=promotion, lineage=lineage)

@@ -10,11 +10,12 @@ from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStatesManifest
 from eagle3.isolation import in_process_device
-from eagle3.store import ArtifactStore, step_provenance
+from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
 from tasks.gpu import claim_gpus
 from tasks.report import publish_step_report
+from tasks.store import run_store
 
 
 @task(name="evaluate", cache_policy=step_cache_policy(step), persist_result=True)
@@ -26,7 +27,7 @@ def evaluate_task(
     verifier: VerifierManifest,
     prompts: Path,
 ) -> step.EvalManifest:
-    store = ArtifactStore(store_dir)
+    store = run_store(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts)
     with claim_gpus(cfg.device) as gpus:  # runs in this process, on the claimed GPU
         manifest = step.evaluate(cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)}), checkpoint, hidden_states, verifier, prompts, store, provenance)

@@ -6,15 +6,16 @@ from prefect import task
 
 from eagle3 import prepare_dataset as step
 from eagle3.config import DatasetConfig
-from eagle3.store import ArtifactStore, step_provenance
+from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest, load_tokenizer
 from tasks.cache import step_cache_policy
 from tasks.report import publish_step_report
+from tasks.store import run_store
 
 
 @task(name="prepare-dataset", cache_policy=step_cache_policy(step), persist_result=True)
 def prepare_dataset_task(store_dir: str, cfg: DatasetConfig, source: Path, verifier: VerifierManifest) -> step.DatasetManifest:
-    store = ArtifactStore(store_dir)
+    store = run_store(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
     manifest = step.prepare_dataset(cfg, source, load_tokenizer(verifier.path), store, provenance)
     publish_step_report(

@@ -7,16 +7,17 @@ from prefect import task
 from eagle3 import regenerate as step
 from eagle3.config import RegenerateConfig
 from eagle3.isolation import in_process_device
-from eagle3.store import ArtifactStore, step_provenance
+from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
 from tasks.gpu import claim_gpus
 from tasks.report import publish_step_report
+from tasks.store import run_store
 
 
 @task(name="regenerate", cache_policy=step_cache_policy(step), persist_result=True)
 def regenerate_task(store_dir: str, cfg: RegenerateConfig, source: Path, verifier: VerifierManifest) -> step.RegeneratedManifest:
-    store = ArtifactStore(store_dir)
+    store = run_store(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
     with claim_gpus(cfg.device) as gpus:  # runs in this process, on the claimed GPU
         manifest = step.regenerate(cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)}), source, verifier, store, provenance)

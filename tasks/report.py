@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+from pathlib import Path
 from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from eagle3.store import ArtifactManifest
 
-__all__ = ["Progress", "publish_step_report"]
+__all__ = ["Progress", "publish_image", "publish_step_report"]
 
 
 def publish_step_report(manifest: ArtifactManifest, numbers: dict[str, Any]) -> None:
@@ -23,6 +25,13 @@ def publish_step_report(manifest: ArtifactManifest, numbers: dict[str, Any]) -> 
         f"Inputs:\n{parents}\n\nCode version: `{manifest.code_version}`\n",
         description=f"{manifest.kind}: where it is and what it came from",
     )
+
+
+def publish_image(key: str, png: Path, title: str) -> None:
+    """A PNG as a markdown artifact: the open-source UI has no image artifact type, but renders a
+    markdown image whose source is a data URI (keep the PNG small: it is stored in the database)."""
+    data = base64.b64encode(png.read_bytes()).decode()
+    create_markdown_artifact(key=key, markdown=f"### {title}\n\n![{title}](data:image/png;base64,{data})\n", description=title)
 
 
 class Progress:

@@ -6,12 +6,13 @@ from eagle3 import train as step
 from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest
 from eagle3.prepare_dataset import DatasetManifest
-from eagle3.store import ArtifactStore, step_provenance
+from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest
 from eagle3.vocab_mapping import VocabManifest
 from tasks.cache import step_cache_policy
 from tasks.gpu import claim_gpus
-from tasks.report import Progress, publish_step_report
+from tasks.report import Progress, publish_image, publish_step_report
+from tasks.store import run_store
 
 
 @task(name="train-draft", cache_policy=step_cache_policy(step), persist_result=True)
@@ -23,11 +24,12 @@ def train_draft_task(
     vocab: VocabManifest,
     verifier: VerifierManifest,
 ) -> step.DraftManifest:
-    store = ArtifactStore(store_dir)
+    store = run_store(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, dataset=dataset, hidden_states=hidden_states, vocab=vocab, verifier=verifier)
     with claim_gpus(cfg.device, cfg.num_gpus) as gpus:
         manifest = step.train_draft(
             cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)"), gpus=gpus
         )
     publish_step_report(manifest, manifest.model_dump(include={"num_steps", "tau_sim", "backoffs", "gpu_memory_after_mib"}))
+    publish_image("training-curves", manifest.path / manifest.curves, "training curves: loss and acceptance per TTT step")
     return manifest

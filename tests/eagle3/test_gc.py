@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import publish_text_artifact
-from eagle3.gc import collect_garbage, record_run, store_in_use
+from eagle3.gc import collect_garbage, store_in_use
+from eagle3.runs import record_run
 from eagle3.store import ArtifactError, ArtifactStore
 
 

@@ -3,8 +3,14 @@ from __future__ import annotations
 import pytest
 
 from conftest import publish_text_artifact
-from eagle3.lineage import find_artifact, lineage, to_mermaid
-from eagle3.store import ArtifactError, ArtifactStore
+from eagle3.cli import main
+from eagle3.lineage import change_summary, find_artifact, lineage, lineage_table, to_mermaid
+from eagle3.runs import lineage_roots, record_run
+from eagle3.store import ArtifactError, ArtifactStore, Producer
+
+
+def _store(root, run: str) -> ArtifactStore:
+    return ArtifactStore(root, producer=Producer(flow_run_id=run, task_run_id=f"{run}-task"))
 
 
 def test_lineage_follows_parents_through_the_store_and_marks_inputs(tmp_path):
@@ -29,3 +35,62 @@ def test_ambiguous_or_unknown_digest_prefix_is_an_error(tmp_path):
 
     with pytest.raises(ArtifactError, match="matches 0 artifacts"):
         find_artifact(store, "zzzz")
+
+
+def test_republishing_equal_bytes_keeps_the_digest_and_the_first_producer(tmp_path):
+    first = publish_text_artifact(_store(tmp_path, "run-1"), "dataset", "d", {"source": "f" * 64})
+
+    again = publish_text_artifact(_store(tmp_path, "run-2"), "dataset", "d", {"source": "f" * 64})
+
+    assert again.digest == first.digest
+    assert again.producer == first.producer == Producer(flow_run_id="run-1", task_run_id="run-1-task")
+    assert lineage(ArtifactStore(tmp_path), [first.digest])[first.digest]["producer"]["flow_run_id"] == "run-1"
+
+
+def test_a_run_that_only_reuses_artifacts_says_nothing_changed_and_names_their_producer(tmp_path):
+    dataset = publish_text_artifact(_store(tmp_path, "run-1"), "dataset", "d", {"source": "f" * 64})
+    draft = publish_text_artifact(_store(tmp_path, "run-1"), "draft", "x", {"dataset": dataset.digest})
+    nodes = lineage(ArtifactStore(tmp_path), [dataset.digest, draft.digest])
+
+    summary = change_summary(nodes, "run-2")
+
+    assert summary == "Nothing changed: this run produced no artifact; all 2 artifacts it used come from earlier runs (run-1)."
+    rows = {row["kind"]: row for row in lineage_table(nodes, "run-2")}
+    assert rows["draft"]["origin"] == "cached: produced by run run-1"
+    assert rows["draft"]["task_run"] == "run-1-task"
+    assert rows["input"]["origin"] == "input"
+
+
+def test_a_run_that_produced_an_artifact_names_it_and_draws_it_as_new(tmp_path):
+    dataset = publish_text_artifact(_store(tmp_path, "run-1"), "dataset", "d", {"source": "f" * 64})
+    draft = publish_text_artifact(_store(tmp_path, "run-2"), "draft", "x", {"dataset": dataset.digest})
+    nodes = lineage(ArtifactStore(tmp_path), [draft.digest])
+
+    summary = change_summary(nodes, "run-2")
+    graph = to_mermaid(nodes, "run-2")
+
+    assert summary == "This run produced 1 of its 2 artifacts: draft."
+    assert f'n{draft.digest[:12]}["draft<br/>{draft.digest[:12]}<br/>run run-2"]:::new' in graph
+    assert f'n{dataset.digest[:12]}["dataset<br/>{dataset.digest[:12]}<br/>run run-1"]:::cached' in graph
+
+
+def test_a_run_id_prefix_resolves_to_the_roots_the_run_recorded(tmp_path):
+    store = _store(tmp_path, "5f0c7a2e-run")
+    dataset = publish_text_artifact(store, "dataset", "d", {"source": "f" * 64})
+    draft = publish_text_artifact(store, "draft", "x", {"dataset": dataset.digest})
+    record_run(store, "5f0c7a2e-run", [dataset.digest, draft.digest])
+
+    assert lineage_roots(store, "5f0c") == ([dataset.digest, draft.digest], "5f0c7a2e-run")
+    assert lineage_roots(store, draft.digest[:10]) == ([draft.digest], None)
+
+
+def test_eagle3_lineage_of_a_run_id_prints_the_runs_graph(tmp_path, capsys):
+    store = _store(tmp_path, "run-1")
+    draft = publish_text_artifact(store, "draft", "x", {"source": "f" * 64})
+    record_run(store, "run-1", [draft.digest])
+
+    assert main(["lineage", "run-1", "--store", str(tmp_path)]) == 0
+
+    out, err = capsys.readouterr()
+    assert out == to_mermaid(lineage(store, [draft.digest]), "run-1") + "\n"
+    assert err == "This run produced 1 of its 1 artifacts: draft.\n"

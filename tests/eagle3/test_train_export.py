@@ -60,6 +60,21 @@ def test_training_logs_per_step_accuracies_and_simulated_tau(draft):
     assert draft.epochs[-1]["val_loss"] < draft.epochs[0]["val_loss"]
 
 
+def test_training_draws_its_curves_into_the_draft(draft):
+    from PIL import Image
+
+    png = draft.path / draft.curves
+
+    with Image.open(png) as image:
+        image.load()
+    assert image.format == "PNG" and image.size == (720, 256)
+    assert png.stat().st_size < 100_000  # it travels base64-encoded in a Prefect artifact
+    colors = {color: count for count, color in image.convert("RGB").getcolors(maxcolors=1 << 16)}
+    # matplotlib's first line colour (the train loss curve) is drawn: the image is not blank.
+    assert colors.get((31, 119, 180), 0) > 100
+    assert len(colors) > 50
+
+
 def test_interrupted_training_resumes_from_the_last_epoch_checkpoint(inputs):
     store, verifier, dataset, hidden, vocab = inputs
     provenance = Provenance(config={"run": "resume"})

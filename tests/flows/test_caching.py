@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from uuid import UUID
@@ -14,6 +17,7 @@ from eagle3.config import PipelineConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
+REPO = Path(__file__).resolve().parents[2]
 STEPS = [
     "resolve-verifier", "prepare-dataset", "extract-hidden-states", "build-vocab-mapping",
     "train-draft", "export-checkpoint", "evaluate",
@@ -33,7 +37,7 @@ def _config(store, verifier, data, **train) -> PipelineConfig:
 
 
 def _run(config: PipelineConfig):
-    """Run the flow; return its result and each task's final state name."""
+    """Run the flow; return its result (checkpoint and lineage) and each task's final state name."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -58,15 +62,6 @@ def _run(config: PipelineConfig):
     return state.result(), states
 
 
-def _artifact_descriptions(flow_run_id: str, key: str) -> list[str]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-
-    only = ArtifactFilter(key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(flow_run_id)]))
-    with get_client(sync_client=True) as client:
-        return [a.description for a in client.read_artifacts(artifact_filter=only)]
-
-
 @pytest.fixture
 def first_run(prefect_server, tiny_verifier, conversations, tmp_path):
     config = _config(tmp_path / "store", tiny_verifier, conversations)
@@ -75,7 +70,8 @@ def first_run(prefect_server, tiny_verifier, conversations, tmp_path):
     return config, result
 
 
-def test_identical_second_run_is_entirely_cached(first_run):
+def test_identical_second_run_is_entirely_cached_and_says_nothing_changed(first_run):
+    from eagle3.lineage import lineage, lineage_table
     from eagle3.promotion import read_promotions
     from eagle3.store import ArtifactStore
 
@@ -89,7 +85,59 @@ def test_identical_second_run_is_entirely_cached(first_run):
     # Not compared with itself: the same checkpoint stays promoted; both decisions are in the store and the UI.
     assert first.promotion.promoted and second.promotion.promoted and second.promotion.best_earlier_tau is None
     assert read_promotions(ArtifactStore(config.store_dir)) == [first.promotion, second.promotion]
-    assert _artifact_descriptions(second.promotion.run_id, "promotion") == [second.promotion.summary()]
+    assert _published("promotion", second.promotion.run_id).description == second.promotion.summary()
+    # What changed comes from the producers in the store: every artifact names the first run.
+    assert second.lineage.changes == (
+        f"Nothing changed: this run produced no artifact; all 6 artifacts it used come from earlier runs ({first.lineage.run_id})."
+    )
+    assert second.checkpoint.producer == first.checkpoint.producer
+    assert first.checkpoint.producer.flow_run_id == first.lineage.run_id
+    nodes = lineage(ArtifactStore(config.store_dir), [second.checkpoint.digest])
+    origins = {row["kind"]: row["origin"] for row in lineage_table(nodes, second.lineage.run_id)}
+    assert origins["checkpoint"] == origins["draft"] == f"cached: produced by run {first.lineage.run_id}"
+
+
+def _published(key: str, run_id: str):
+    """The artifact with `key` that flow run `run_id` published, read back from the server."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    of_run = ArtifactFilter(key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(run_id)]))
+    with get_client(sync_client=True) as client:
+        [artifact] = client.read_artifacts(artifact_filter=of_run)
+    return artifact
+
+
+def test_eagle3_lineage_of_a_flow_run_id_prints_the_graph_the_run_published_without_a_server(first_run):
+    config, first = first_run
+    published = _published("lineage-graph", first.lineage.run_id)
+
+    no_server = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # nothing listens on port 9
+
+    cli = subprocess.run(
+        [sys.executable, "-m", "eagle3.cli", "lineage", first.lineage.run_id, "--store", config.store_dir],
+        cwd=REPO, env=no_server, capture_output=True, text=True, timeout=60,
+    )
+
+    assert cli.returncode == 0, cli.stderr
+    assert f"```mermaid\n{cli.stdout}```" in published.data
+    assert cli.stderr == first.lineage.changes + "\n"
+    assert first.lineage.changes.startswith("This run produced 6 of its 6 artifacts")
+
+
+def test_a_run_that_trains_attaches_the_drafts_training_curves(first_run):
+    import base64
+
+    from eagle3.store import ArtifactStore
+    from eagle3.train import DraftManifest
+
+    config, first = first_run
+
+    attached = _published("training-curves", first.lineage.run_id)
+
+    draft = ArtifactStore(config.store_dir).load(DraftManifest, first.checkpoint.parents["draft"])
+    encoded = attached.data.split("(data:image/png;base64,", 1)[1].split(")", 1)[0]
+    assert base64.b64decode(encoded) == (draft.path / draft.curves).read_bytes()
 
 
 def test_changing_only_training_hyperparameters_reruns_train_and_export(first_run, tiny_verifier, conversations):
@@ -99,6 +147,7 @@ def test_changing_only_training_hyperparameters_reruns_train_and_export(first_ru
 
     assert states == {**dict.fromkeys(STEPS[:4], "Cached"), **dict.fromkeys(STEPS[4:], "Completed")}
     assert result.checkpoint.digest != first.checkpoint.digest
+    assert result.lineage.changes == "This run produced 3 of its 6 artifacts: checkpoint, draft, evaluation."
 
 
 def test_changing_only_batch_knobs_reruns_nothing(first_run):

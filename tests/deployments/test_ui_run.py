@@ -179,6 +179,7 @@ def test_a_custom_run_from_the_ui_completes_and_shows_its_artifacts(
     cards = {key: page.locator(".artifact-card").filter(has=page.get_by_text(key, exact=True)) for key in ("lineage", "acceptance-length")}
     for card in cards.values():
         expect(card).to_be_visible()
+    cards["acceptance-length"].scroll_into_view_if_needed()
     screenshot("06-run-artifacts")
     cards["acceptance-length"].click()
     expect(page.get_by_role("columnheader", name="tau", exact=True)).to_be_visible()

@@ -3,30 +3,11 @@ run from the UI's code path (create_flow_run_from_deployment) executed by a real
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def deployments(prefect_server):
-    from prefect.client.orchestration import get_client
-
-    env = {**os.environ, "PREFECT_API_URL": prefect_server}
-    done = subprocess.run([str(ROOT / "deployments" / "register.sh")], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    with get_client(sync_client=True) as client:
-        return {
-            name: client.read_deployment_by_name(f"train-eagle3-draft/{name}")
-            for name in ("train-on-demand", "scheduled-retrain")
-        }
 
 
 def test_both_deployments_register_on_the_process_pool(deployments):
@@ -55,36 +36,21 @@ def test_the_server_rejects_invalid_parameters_before_a_run_starts(deployments):
             )
 
 
-def test_a_triggered_run_completes_on_a_worker_with_its_artifacts(deployments, prefect_server, tiny_verifier, conversations, tmp_path):
+def test_a_triggered_run_completes_on_a_worker_with_its_artifacts(deployments, tiny_run_config, start_worker):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    config = {
-        "store_dir": str(tmp_path / "store"),
-        "verifier": {"path": str(tiny_verifier)},
-        "dataset": {"path": str(conversations), "max_seq_len": 256},
-        "extract": {"aux_layer_ids": [1, 2, 3]},
-        "vocab": {"draft_vocab_size": 512},
-        "train": {"epochs": 1, "total_seq_len": 512},
-        "evaluate": {"num_prompts": 1, "max_new_tokens": 8, "ks": [3]},
-    }
     with get_client(sync_client=True) as client:
-        run = client.create_flow_run_from_deployment(deployments["train-on-demand"].id, parameters={"config": config})
-    env = {**os.environ, "PREFECT_API_URL": prefect_server}
-    worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "eagle3", "--run-once"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + 600
-        with get_client(sync_client=True) as client:
-            while not client.read_flow_run(run.id).state.is_final():
-                assert time.time() < deadline, "flow run did not finish"
-                time.sleep(3)
-            state = client.read_flow_run(run.id).state
-            artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
-    finally:
-        worker.terminate()
-        output = worker.communicate(timeout=60)[0]
+        run = client.create_flow_run_from_deployment(deployments["train-on-demand"].id, parameters={"config": tiny_run_config})
+    worker_log = start_worker()
+    deadline = time.time() + 600
+    with get_client(sync_client=True) as client:
+        while not client.read_flow_run(run.id).state.is_final():
+            assert time.time() < deadline, "flow run did not finish"
+            time.sleep(3)
+        state = client.read_flow_run(run.id).state
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
 
-    assert state.is_completed(), output[-3000:]
+    assert state.is_completed(), worker_log.read_text()[-3000:]
     keys = {a.key for a in artifacts}
     assert {"lineage", "acceptance-length", "promotion", "draft-numbers", "hidden-states-numbers"} <= keys

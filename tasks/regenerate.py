@@ -17,7 +17,7 @@ from tasks.report import publish_step_report
 def regenerate_task(store_dir: str, cfg: RegenerateConfig, source: Path, verifier: VerifierManifest) -> step.RegeneratedManifest:
     store = ArtifactStore(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
-    with claim_gpus(cfg.device):
+    with claim_gpus(cfg.device if cfg.backend == "transformers" else "cpu"):
         manifest = step.regenerate(cfg, source, verifier, store, provenance)
     publish_step_report(manifest, {"num_records": manifest.num_records, "num_generated_tokens": manifest.num_generated_tokens,
                                    "failed": len(manifest.failed)})

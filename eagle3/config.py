@@ -185,7 +185,10 @@ class ExportConfig(_Group):
     )
 
 
-class EvalConfig(_Group):
+class EvalConfig(_ServerCapableGroup):
+    _name: ClassVar[str] = "evaluate"
+    _server_backend: ClassVar[str] = "vllm"
+
     prompts_path: str | None = Field(
         None,
         description="JSONL/parquet of prompts (`prompt`, MT-bench `turns`, `question` or `messages`). "
@@ -193,7 +196,17 @@ class EvalConfig(_Group):
     )
     num_prompts: int = Field(4, ge=1, description="Prompts evaluated (the first N).")
     max_new_tokens: int = Field(64, ge=1, description="Tokens generated per prompt.")
-    ks: list[int] = Field([3, 5], min_length=1, description="Draft lengths k to measure tau at.")
+    ks: list[int] = Field(
+        [3, 5], min_length=1,
+        description="Draft lengths k to measure tau at (transformers backend; the vllm backend measures the server's k).",
+    )
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="transformers: our own speculative decoding, with plain greedy and n-gram baselines; "
+        "vllm: read acceptance from the spec-decode counters of a vLLM server (`endpoint`) that serves "
+        "the verifier with this draft (`--speculative-config`) and nothing else meanwhile.",
+    )
+    endpoint: EndpointConfig = Field(EndpointConfig(), description="The vLLM server, for backend 'vllm'.")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.", json_schema_extra=_NO_KEY)
 
 

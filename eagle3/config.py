@@ -8,13 +8,14 @@ part of the key of the step that reads it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "ConfigError",
     "DatasetConfig",
+    "EndpointConfig",
     "EvalConfig",
     "ExportConfig",
     "ExtractConfig",
@@ -66,7 +67,52 @@ class DatasetConfig(_Group):
     max_records: int | None = Field(None, ge=1, description="Use only the first N records (None: all).")
 
 
-class RegenerateConfig(_Group):
+class EndpointConfig(_Group):
+    """An OpenAI-compatible server (`vllm serve`): where it is is not part of any cache key, what it
+    serves (`model`) is."""
+
+    base_url: str = Field(
+        "http://localhost:8000/v1", description="The server's OpenAI API root.", json_schema_extra=_NO_KEY
+    )
+    model: str | None = Field(
+        None,
+        description="Served model name (`vllm serve --served-model-name`): it must serve the pipeline's "
+        "verifier. Required by the server backends.",
+    )
+    api_key_env: str = Field(
+        "OPENAI_API_KEY",
+        description="Environment variable holding the API key (unset: no key, as `vllm serve` expects by default).",
+        json_schema_extra=_NO_KEY,
+    )
+    concurrency: int = Field(16, ge=1, description="Requests in flight at once.", json_schema_extra=_NO_KEY)
+    timeout_s: float = Field(600.0, gt=0, description="Seconds one request may take.", json_schema_extra=_NO_KEY)
+    max_retries: int = Field(
+        3, ge=0, description="Retries of a request that timed out or met a connection or server error.",
+        json_schema_extra=_NO_KEY,
+    )
+
+
+class _ServerCapableGroup(_Group):
+    """A step group whose `backend` may be a server: then `endpoint.model` must name what it serves."""
+
+    _name: ClassVar[str]
+    _server_backend: ClassVar[str]
+
+    @model_validator(mode="after")
+    def _served_model_named(self) -> _ServerCapableGroup:
+        if self.backend == self._server_backend and self.endpoint.model is None:
+            raise ValueError(
+                f"{self._name}.endpoint.model is required when {self._name}.backend is '{self._server_backend}': "
+                "the served model name (`vllm serve --served-model-name`)"
+            )
+        return self
+
+
+class RegenerateConfig(_ServerCapableGroup):
+    _name: ClassVar[str] = "regenerate"
+    _server_backend: ClassVar[str] = "openai"
+
+
     enabled: bool = Field(
         False,
         description="Replace the dataset's assistant turns with the verifier's own answers before "
@@ -77,9 +123,18 @@ class RegenerateConfig(_Group):
     temperature: float = Field(0.0, ge=0, description="0: greedy decoding; above 0: sampling.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (when sampling).")
     seed: int = Field(0, description="Sampling seed.")
-    strip_thinking: bool = Field(True, description="Drop <think>...</think> blocks from generated answers.")
-    batch_size: int = Field(16, ge=1, description="Conversations generated together.", json_schema_extra=_NO_KEY)
-    device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.", json_schema_extra=_NO_KEY)
+    strip_thinking: bool = Field(
+        True, description="Drop thinking (<think>...</think> blocks, a server's separate reasoning field) from answers."
+    )
+    backend: Literal["transformers", "openai"] = Field(
+        "transformers",
+        description="transformers: batched generation in this process; openai: requests to an "
+        "OpenAI-compatible server (`endpoint`), e.g. vLLM serving the verifier at scale.",
+    )
+    endpoint: EndpointConfig = Field(EndpointConfig(), description="The server, for backend 'openai'.")
+    batch_size: int = Field(16, ge=1, description="Conversations generated together (transformers backend).",
+                            json_schema_extra=_NO_KEY)
+    device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (transformers backend).", json_schema_extra=_NO_KEY)
 
 
 class ExtractConfig(_Group):
@@ -138,7 +193,10 @@ class ExportConfig(_Group):
     )
 
 
-class EvalConfig(_Group):
+class EvalConfig(_ServerCapableGroup):
+    _name: ClassVar[str] = "evaluate"
+    _server_backend: ClassVar[str] = "vllm"
+
     prompts_path: str | None = Field(
         None,
         description="JSONL/parquet of prompts (`prompt`, MT-bench `turns`, `question` or `messages`). "
@@ -146,7 +204,17 @@ class EvalConfig(_Group):
     )
     num_prompts: int = Field(4, ge=1, description="Prompts evaluated (the first N).")
     max_new_tokens: int = Field(64, ge=1, description="Tokens generated per prompt.")
-    ks: list[int] = Field([3, 5], min_length=1, description="Draft lengths k to measure tau at.")
+    ks: list[int] = Field(
+        [3, 5], min_length=1,
+        description="Draft lengths k to measure tau at (transformers backend; the vllm backend measures the server's k).",
+    )
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="transformers: our own speculative decoding, with plain greedy and n-gram baselines; "
+        "vllm: read acceptance from the spec-decode counters of a vLLM server (`endpoint`) that serves "
+        "the verifier with this draft (`--speculative-config`) and nothing else meanwhile.",
+    )
+    endpoint: EndpointConfig = Field(EndpointConfig(), description="The vLLM server, for backend 'vllm'.")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.", json_schema_extra=_NO_KEY)
 
 
@@ -192,13 +260,15 @@ class PipelineConfig(BaseModel):
 
 
 def output_affecting(group: BaseModel) -> dict[str, Any]:
-    """The fields of a config group that change its step's output: what a cache key includes."""
-    fields = type(group).model_fields
-    return {
-        name: value
-        for name, value in group.model_dump(mode="json").items()
-        if (fields[name].json_schema_extra or {}).get("affects_output", True)
-    }
+    """The fields of a config group (and of groups nested in it) that change its step's output:
+    what a cache key includes."""
+    out = {}
+    for name, field in type(group).model_fields.items():
+        if not (field.json_schema_extra or {}).get("affects_output", True):
+            continue
+        value = getattr(group, name)
+        out[name] = output_affecting(value) if isinstance(value, BaseModel) else group.model_dump(mode="json", include={name})[name]
+    return out
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -8,12 +8,16 @@ is compared token for token with the plain one; the report counts any difference
 Output `report.json`: per method and k, tau (tokens per verifier pass), the acceptance rate of
 each draft position, tokens/s, and the number of prompts and tokens; plus the training-time
 simulated tau for comparison. Cost: (1 + 2 x len(ks)) decodes per prompt.
+
+Backend `vllm` instead reads the same figures for the draft from a vLLM server that serves it
+(`eagle3.served_acceptance`), at the server's k, without the baselines.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +27,7 @@ from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStateCapture, HiddenStatesManifest, resolve_device
 from eagle3.prepare_dataset import read_records
+from eagle3.served_acceptance import measure_served_acceptance
 from eagle3.speculative import DecodeStats, Eagle3Proposer, NgramProposer, greedy_decode, speculative_decode
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.verifier import VerifierManifest, load_text_model, load_tokenizer
@@ -38,8 +43,8 @@ class EvalManifest(ArtifactManifest):
     num_tokens: int
     tau_sim: float
     results: list[dict]
-    greedy_tokens_per_s: float
-    mismatches: int
+    greedy_tokens_per_s: float | None  # None: not measured (backend 'vllm')
+    mismatches: int | None
 
 
 def eval_prompts_source(cfg: EvalConfig) -> Path:
@@ -103,17 +108,17 @@ def _summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
     }
 
 
-def evaluate(
-    cfg: EvalConfig,
-    checkpoint: ExportManifest,
-    hidden_states: HiddenStatesManifest,
-    verifier: VerifierManifest,
-    prompts_path: Path,
-    store: ArtifactStore,
-    provenance: Provenance,
-) -> EvalManifest:
-    """Measure tau of the draft and of the n-gram baseline; check outputs equal plain greedy."""
-    clock = Stopwatch()
+@dataclass(frozen=True)
+class _Measured:
+    results: list[dict]
+    num_tokens: int
+    greedy_tokens_per_s: float | None
+    mismatches: int | None
+
+
+def _measure_by_own_decoding(
+    cfg: EvalConfig, checkpoint: ExportManifest, hidden_states: HiddenStatesManifest, verifier: VerifierManifest, texts: list[str]
+) -> _Measured:
     device = resolve_device(cfg.device)
     tokenizer = load_tokenizer(verifier.path)
     model = load_text_model(verifier.path, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
@@ -123,7 +128,7 @@ def evaluate(
 
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        for p in read_prompts(prompts_path, cfg.num_prompts)
+        for p in texts
     ]
     runs: dict[tuple[str, int], list[DecodeStats]] = {}
     reference_runs, mismatches = [], 0
@@ -140,22 +145,55 @@ def evaluate(
         capture.close()
     if mismatches:
         logger.warning("%d speculative decodes differ from plain greedy decoding (numerical ties?)", mismatches)
+    num_tokens = sum(len(r.tokens) for r in reference_runs)
+    return _Measured(
+        results=[_summary(method, k, r) for (method, k), r in runs.items()],
+        num_tokens=num_tokens,
+        greedy_tokens_per_s=num_tokens / sum(r.seconds for r in reference_runs),
+        mismatches=mismatches,
+    )
+
+
+def evaluate(
+    cfg: EvalConfig,
+    checkpoint: ExportManifest,
+    hidden_states: HiddenStatesManifest,
+    verifier: VerifierManifest,
+    prompts_path: Path,
+    store: ArtifactStore,
+    provenance: Provenance,
+) -> EvalManifest:
+    """Measure tau of the draft: by our own speculative decoding (with the n-gram baseline, outputs
+    checked against plain greedy), or (backend 'vllm') from a vLLM server's spec-decode counters,
+    which has no baseline or greedy check (`greedy_tokens_per_s` and `mismatches` are None).
+
+    Raises:
+        ArtifactError: the prompts file is malformed, or the server rejected a prompt.
+        EndpointError: (backend 'vllm') the server is unreachable, does not serve
+            `endpoint.model`, or runs without a draft.
+    """
+    clock = Stopwatch()
+    texts = read_prompts(prompts_path, cfg.num_prompts)
+    if cfg.backend == "vllm":
+        row = measure_served_acceptance(cfg, texts, prompts_path)
+        measured = _Measured(results=[row], num_tokens=row["tokens"], greedy_tokens_per_s=None, mismatches=None)
+    else:
+        measured = _measure_by_own_decoding(cfg, checkpoint, hidden_states, verifier, texts)
 
     work = store.work_dir("evaluation", provenance.key)
-    results = [_summary(method, k, r) for (method, k), r in runs.items()]
-    report = {"results": results, "tau_sim": checkpoint.tau_sim, "mismatches": mismatches}
-    (work / "report.json").write_text(json.dumps({k: v for k, v in report.items()}, indent=2, default=float))
+    report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches}
+    (work / "report.json").write_text(json.dumps(report, indent=2, default=float))
     return store.publish(
         work,
         EvalManifest(
             **provenance.model_dump(),
             path=work,
-            num_prompts=len(prompts),
-            num_tokens=sum(len(r.tokens) for r in reference_runs),
+            num_prompts=len(texts),
+            num_tokens=measured.num_tokens,
             tau_sim=checkpoint.tau_sim,
-            results=results,
-            greedy_tokens_per_s=sum(len(r.tokens) for r in reference_runs) / sum(r.seconds for r in reference_runs),
-            mismatches=mismatches,
+            results=measured.results,
+            greedy_tokens_per_s=measured.greedy_tokens_per_s,
+            mismatches=measured.mismatches,
             seconds=clock(),
         ),
     )

@@ -2,15 +2,18 @@
 
 Input records: `prompt` (one user turn), MT-bench `turns` (several user turns), or conversations
 (`messages` / ShareGPT `conversations`) whose assistant turns are replaced. Turns are generated
-in order, so each later user turn sees the regenerated earlier answers. Generation is batched
-transformers `generate` (KV cache on, left padding, prompts sorted by length), greedy or sampled
-with a fixed seed; thinking blocks (`<think>...</think>`) can be stripped.
+in order, so each later user turn sees the regenerated earlier answers. Two backends:
+`transformers`, batched `generate` in this process (KV cache on, left padding, prompts sorted by
+length), and `openai`, chat requests to an OpenAI-compatible server such as `vllm serve` (records
+in parallel, `endpoint.concurrency` at a time), which is how the verifier is used at scale. Greedy
+or sampled with a fixed seed; thinking (`<think>...</think>`, or a server's separate reasoning
+field) can be stripped.
 
 Output `conversations.parquet`: `id`, `messages` (list of {role, content}), `finish_reasons`
 (`stop` | `length` per generated turn). Records that fail (a prompt longer than the context, an
 empty answer) are listed in the manifest with their reason, never silently dropped. Finished
 records are appended to `done.jsonl` in the work dir as they complete, so a re-run after a crash
-regenerates only what is missing. Cost: one decode per generated token.
+(or an unreachable server) regenerates only what is missing. Cost: one decode per generated token.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3.config import RegenerateConfig
+from eagle3.endpoint import EndpointError, RequestRejected, chat, open_client
 from eagle3.extract_hidden_states import resolve_device
 from eagle3.prepare_dataset import ROLE_ALIASES, read_records
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
@@ -35,6 +41,8 @@ __all__ = ["RegeneratedManifest", "read_user_turns", "regenerate", "regenerated_
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
+Record = tuple[str, list[dict[str, str]], list[str]]  # (id, system messages, user turns)
+
 
 class RegeneratedManifest(ArtifactManifest):
     kind: str = "regenerated"
@@ -43,7 +51,7 @@ class RegeneratedManifest(ArtifactManifest):
     failed: dict[str, str]
 
 
-def read_user_turns(path: Path, limit: int | None) -> list[tuple[str, list[dict[str, str]], list[str]]]:
+def read_user_turns(path: Path, limit: int | None) -> list[Record]:
     """(record id, system messages, user turns) per record, from any supported prompt shape."""
     out = []
     for index, record in read_records(path):
@@ -98,10 +106,84 @@ def _generate(model, tokenizer, conversations: list[list[dict]], cfg: Regenerate
     return results
 
 
+def _answer_text(content: str, reasoning: str | None, strip_thinking: bool) -> str:
+    if strip_thinking:
+        return _THINK.sub("", content).strip()
+    return (f"<think>\n{reasoning}\n</think>\n\n{content}" if reasoning else content).strip()
+
+
+def _finished(record_id: str, messages: list[dict], reasons: list[str], tokens: int) -> dict:
+    return {"id": record_id, "messages": messages, "finish_reasons": reasons, "tokens": tokens}
+
+
+def _answers_by_transformers(todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest) -> Iterator[dict]:
+    device = resolve_device(cfg.device)
+    tokenizer = load_tokenizer(verifier.path)
+    model = load_text_model(verifier.path, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    todo = sorted(todo, key=lambda r: len(r[2][0]))
+    for start in range(0, len(todo), cfg.batch_size):
+        batch = todo[start : start + cfg.batch_size]
+        conversations = [list(system) for _, system, _ in batch]
+        reasons: list[list[str]] = [[] for _ in batch]
+        tokens = [0] * len(batch)
+        failed: dict[int, str] = {}
+        for turn in range(max(len(users) for _, _, users in batch)):
+            active = [b for b, (_, _, users) in enumerate(batch) if turn < len(users) and b not in failed]
+            for b in active:
+                conversations[b].append({"role": "user", "content": batch[b][2][turn]})
+            for b, (new, reason) in zip(active, _generate(model, tokenizer, [conversations[b] for b in active], cfg, device)):
+                text = _answer_text(tokenizer.decode(new, skip_special_tokens=True), None, cfg.strip_thinking)
+                if not text:
+                    failed[b] = f"empty answer at turn {turn}"
+                    continue
+                conversations[b].append({"role": "assistant", "content": text})
+                reasons[b].append(reason)
+                tokens[b] += len(new)
+        for b, (record_id, _, _) in enumerate(batch):
+            yield {"id": record_id, "failed": failed[b]} if b in failed else _finished(record_id, conversations[b], reasons[b], tokens[b])
+
+
+def _answers_by_server(todo: list[Record], cfg: RegenerateConfig) -> Iterator[dict]:
+    client = open_client(cfg.endpoint)
+    sampling = {"max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+
+    def answer(record: Record) -> dict:
+        record_id, system, users = record
+        messages, reasons, tokens = list(system), [], 0
+        for turn, user in enumerate(users):
+            messages.append({"role": "user", "content": user})
+            try:
+                served = chat(client, cfg.endpoint, messages, sampling)
+            except RequestRejected as exc:
+                return {"id": record_id, "failed": f"server rejected turn {turn}: {exc}"}
+            text = _answer_text(served.content, served.reasoning, cfg.strip_thinking)
+            if not text:
+                return {"id": record_id, "failed": f"empty answer at turn {turn}"}
+            messages.append({"role": "assistant", "content": text})
+            reasons.append(served.finish_reason)
+            tokens += served.completion_tokens
+        return _finished(record_id, messages, reasons, tokens)
+
+    with ThreadPoolExecutor(cfg.endpoint.concurrency) as pool:
+        futures = [pool.submit(answer, record) for record in todo]
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+
+
 def regenerate(
     cfg: RegenerateConfig, source: Path, verifier: VerifierManifest, store: ArtifactStore, provenance: Provenance
 ) -> RegeneratedManifest:
-    """Have the verifier answer every user turn of `source`; publish the conversations."""
+    """Have the verifier answer every user turn of `source`; publish the conversations.
+
+    Raises:
+        ArtifactError: a record of `source` has no user turn to answer.
+        EndpointError: (backend 'openai') the server is unreachable or does not serve
+            `endpoint.model`; the records finished so far are kept for the re-run.
+    """
     clock = Stopwatch()
     records = read_user_turns(source, cfg.max_records)
     work = store.work_dir("regenerated", provenance.key)
@@ -109,39 +191,16 @@ def regenerate(
     done = {r["id"]: r for r in map(json.loads, done_log.read_text().splitlines())} if done_log.exists() else {}
     todo = [r for r in records if r[0] not in done]
     if todo:
-        device = resolve_device(cfg.device)
-        tokenizer = load_tokenizer(verifier.path)
-        model = load_text_model(verifier.path, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
-        todo.sort(key=lambda r: len(r[2][0]))
+        answers = _answers_by_server(todo, cfg) if cfg.backend == "openai" else _answers_by_transformers(todo, cfg, verifier)
         with tqdm(total=len(todo), desc="regenerate", unit="rec") as progress, open(done_log, "a") as log:
-            for start in range(0, len(todo), cfg.batch_size):
-                batch = todo[start : start + cfg.batch_size]
-                conversations = [list(system) for _, system, _ in batch]
-                reasons: list[list[str]] = [[] for _ in batch]
-                tokens = [0] * len(batch)
-                failed: dict[int, str] = {}
-                for turn in range(max(len(users) for _, _, users in batch)):
-                    active = [b for b, (_, _, users) in enumerate(batch) if turn < len(users) and b not in failed]
-                    for b in active:
-                        conversations[b].append({"role": "user", "content": batch[b][2][turn]})
-                    for b, (new, reason) in zip(active, _generate(model, tokenizer, [conversations[b] for b in active], cfg, device)):
-                        text = tokenizer.decode(new, skip_special_tokens=True)
-                        if cfg.strip_thinking:
-                            text = _THINK.sub("", text)
-                        if not text.strip():
-                            failed[b] = f"empty answer at turn {turn}"
-                            continue
-                        conversations[b].append({"role": "assistant", "content": text.strip()})
-                        reasons[b].append(reason)
-                        tokens[b] += len(new)
-                for b, (record_id, _, _) in enumerate(batch):
-                    entry = {"id": record_id, "messages": conversations[b], "finish_reasons": reasons[b], "tokens": tokens[b]}
-                    if b in failed:
-                        entry = {"id": record_id, "failed": failed[b]}
+            try:
+                for entry in answers:
                     log.write(json.dumps(entry) + "\n")
-                    done[record_id] = entry
-                log.flush()
-                progress.update(len(batch))
+                    log.flush()
+                    done[entry["id"]] = entry
+                    progress.update()
+            except EndpointError as exc:
+                raise EndpointError(f"{exc} Finished records are kept in {done_log}: a re-run resumes there.") from exc
 
     ok = [done[r[0]] for r in records if "failed" not in done[r[0]]]
     out = work / "artifact"

@@ -29,12 +29,15 @@ def evaluate_task(
 ) -> step.EvalManifest:
     store = run_store(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts)
-    with claim_gpus(cfg.device) as gpus:  # runs in this process, on the claimed GPU
+    # A server backend runs elsewhere and claims nothing; in-process work runs on the claimed GPU.
+    with claim_gpus(cfg.device if cfg.backend == "transformers" else "cpu") as gpus:
         manifest = step.evaluate(cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)}), checkpoint, hidden_states, verifier, prompts, store, provenance)
     create_table_artifact(
         key="acceptance-length",
         table=[{**r, "acceptance_by_position": [round(a, 3) for a in r["acceptance_by_position"]]} for r in manifest.results],
-        description=f"measured tau (tau_sim {manifest.tau_sim:.3f}); plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s",
+        description=f"measured tau (tau_sim {manifest.tau_sim:.3f}); "
+        + (f"plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s" if manifest.greedy_tokens_per_s is not None
+           else f"from the spec-decode counters of {cfg.endpoint.base_url}"),
     )
     publish_step_report(manifest, {"num_prompts": manifest.num_prompts, "num_tokens": manifest.num_tokens, "mismatches": manifest.mismatches})
     return manifest

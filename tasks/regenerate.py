@@ -19,7 +19,8 @@ from tasks.store import run_store
 def regenerate_task(store_dir: str, cfg: RegenerateConfig, source: Path, verifier: VerifierManifest) -> step.RegeneratedManifest:
     store = run_store(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
-    with claim_gpus(cfg.device) as gpus:  # runs in this process, on the claimed GPU
+    # A server backend runs elsewhere and claims nothing; in-process work runs on the claimed GPU.
+    with claim_gpus(cfg.device if cfg.backend == "transformers" else "cpu") as gpus:
         manifest = step.regenerate(cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)}), source, verifier, store, provenance)
     publish_step_report(manifest, {"num_records": manifest.num_records, "num_generated_tokens": manifest.num_generated_tokens,
                                    "failed": len(manifest.failed)})

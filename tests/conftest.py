@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny real verifiers, a prepared dataset, and a real Prefect server."""
+"""Shared fixtures: tiny real verifiers, a prepared dataset, a real Prefect server and a real vLLM server."""
 
 from __future__ import annotations
 
@@ -54,10 +54,34 @@ def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str
     return store.publish(work, (manifest_type or ArtifactManifest)(kind=kind, path=work, parents=parents, **fields))
 
 
-def _free_port() -> int:
+def wait_for_http(url: str, server: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+    """Poll `url` until it answers; raise with the log's tail if `server` exits or time runs out."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            if server.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"{url} did not come up: {log_path.read_text()[-3000:]}") from None
+            time.sleep(1)
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def served_draft(tmp_path_factory):
+    """One real vLLM server for the session: a tiny verifier with a draft the pipeline exported."""
+    from vllm_server import SERVED_NAME, ServedDraft, train_draft_for_serving, vllm_server
+
+    root = tmp_path_factory.mktemp("served")
+    store, verifier, hidden_states, checkpoint = train_draft_for_serving(root)
+    with vllm_server(verifier.path, checkpoint.path, root / "vllm.log") as base_url:
+        yield ServedDraft(base_url, SERVED_NAME, store, verifier, hidden_states, checkpoint)
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +90,7 @@ def prefect_server(tmp_path_factory):
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": url}
     log = open(home / "server.log", "w")
@@ -74,16 +98,11 @@ def prefect_server(tmp_path_factory):
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )
-    deadline = time.time() + 180
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2)
-            break
-        except OSError:
-            if server.poll() is not None or time.time() > deadline:
-                server.kill()
-                raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
-            time.sleep(1)
+    try:
+        wait_for_http(f"{url}/health", server, home / "server.log", timeout_s=180)
+    except RuntimeError:
+        server.kill()
+        raise
     try:
         with temporary_settings(
             updates={PREFECT_API_URL: url, PREFECT_HOME: str(home), PREFECT_LOCAL_STORAGE_PATH: str(home / "storage")}

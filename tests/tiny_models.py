@@ -34,15 +34,21 @@ def sample_texts() -> list[str]:
     return texts
 
 
-def tiny_tokenizer(template: str = CHATML, vocab_size: int = 1024):
+def tiny_tokenizer(template: str = CHATML, vocab_size: int = 1024, ascii_only: bool = False):
+    """`ascii_only`: no token holds part of a multi-byte character, so any token sequence a random
+    model emits decodes to whole characters (a server's streaming detokenizer holds partial ones back)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    alphabet, limits = pre_tokenizers.ByteLevel.alphabet(), {}
+    if ascii_only:  # the 128 byte-level symbols of ASCII, and nothing the sample text adds
+        pieces = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str("".join(map(chr, range(128))))
+        alphabet = sorted(set("".join(piece for piece, _ in pieces)))
+        limits = {"limit_alphabet": len(alphabet)}
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=alphabet, **limits)
     tok.train_from_iterator(sample_texts() * 2, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
@@ -58,11 +64,11 @@ def _llama_config(vocab_size: int, num_layers: int, hidden: int):
                        max_position_embeddings=2048, tie_word_embeddings=False)
 
 
-def tiny_llama(out: Path, num_layers: int = 4, hidden: int = 64, template: str = CHATML) -> Path:
+def tiny_llama(out: Path, num_layers: int = 4, hidden: int = 64, template: str = CHATML, ascii_only: bool = False) -> Path:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    tokenizer = tiny_tokenizer(template)
+    tokenizer = tiny_tokenizer(template, ascii_only=ascii_only)
     model = LlamaForCausalLM(_llama_config(len(tokenizer), num_layers, hidden))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.config import ConfigError, ExtractConfig, PipelineConfig, load_config, output_affecting
+from eagle3.config import ConfigError, EndpointConfig, ExtractConfig, PipelineConfig, RegenerateConfig, load_config, output_affecting
 
 
 def test_overrides_layer_over_yaml_over_defaults(tmp_path):
@@ -46,3 +46,17 @@ def test_aux_layer_ids_must_be_three_distinct():
 def test_promotion_k_must_be_an_evaluated_k():
     with pytest.raises(ConfigError, match=r"promotion.k=7 is not among evaluate.ks \[3, 5\]"):
         load_config(None, ["promotion.k=7"])
+
+
+def test_where_the_server_is_stays_out_of_the_key_but_what_it_serves_does_not():
+    def key(**endpoint):
+        return output_affecting(RegenerateConfig(backend="openai", endpoint=EndpointConfig(**{"model": "verifier", **endpoint})))
+
+    assert key() == key(base_url="http://gpu-host:9000/v1", concurrency=64, timeout_s=5, max_retries=0, api_key_env="KEY")
+    assert key() != key(model="verifier-v2")
+    assert key()["endpoint"] == {"model": "verifier"}
+
+
+def test_a_server_backend_without_a_served_model_name_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"regenerate.endpoint.model is required when regenerate.backend is 'openai'"):
+        load_config(None, ["regenerate.backend=openai"])

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from conftest import SAMPLE, write_jsonl
-from eagle3.config import DatasetConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
+from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
 from eagle3.evaluate import evaluate, load_draft, read_prompts
+from eagle3.endpoint import EndpointError
 from eagle3.export import export_checkpoint
 from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_states
 from eagle3.prepare_dataset import prepare_dataset
+from eagle3.served_acceptance import read_spec_decode_counters
 from eagle3.speculative import Eagle3Proposer, NgramProposer, greedy_decode, speculative_decode
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.train import train_draft
@@ -132,3 +134,33 @@ def test_prompt_file_without_a_prompt_field_names_the_record(tmp_path):
 
     with pytest.raises(ArtifactError, match=r"p\.jsonl: record 1: no prompt field"):
         read_prompts(path, 5)
+
+
+@pytest.mark.vllm
+def test_served_counters_give_the_acceptance_our_own_decoding_measures(served_draft):
+    store, verifier, hidden, checkpoint = served_draft.store, served_draft.verifier, served_draft.hidden_states, served_draft.checkpoint
+    # Prompts the draft was trained on (with the verifier's answers to them): it accepts some tokens.
+    prompts = write_jsonl(store.root / "served-prompts.jsonl", [json.loads(line) for line in SAMPLE.read_text().splitlines()[:4]])
+    own_cfg = EvalConfig(num_prompts=4, max_new_tokens=48, ks=[3], device="cpu")
+    served_cfg = own_cfg.model_copy(update={"backend": "vllm", "endpoint": EndpointConfig(base_url=served_draft.base_url, model=served_draft.model)})
+
+    served = evaluate(served_cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "served"}))
+    own = evaluate(own_cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "own"}))
+
+    [row] = served.results
+    [reference] = [r for r in own.results if r["method"] == "eagle3"]
+    assert (row["method"], row["k"], row["tokens"]) == ("eagle3", 3, reference["tokens"])
+    assert row["verifier_passes"] == reference["verifier_passes"]
+    # Accepted counts may differ by a token or two over the run (seen: 54 served, 52 ours of 137 passes).
+    assert row["acceptance_by_position"] == pytest.approx(reference["acceptance_by_position"], abs=0.02)
+    assert row["tau"] == pytest.approx(reference["tau"], abs=0.05) and row["tau"] > 1
+    assert served.greedy_tokens_per_s is None and served.mismatches is None
+    assert json.loads((served.path / "report.json").read_text())["results"] == served.results
+
+
+@pytest.mark.vllm
+def test_a_model_without_spec_decode_counters_names_the_flag_to_serve_the_draft(served_draft):
+    endpoint = EndpointConfig(base_url=served_draft.base_url, model="no-such-model")
+
+    with pytest.raises(EndpointError, match=r"/metrics: no spec-decode counters .* for model 'no-such-model'.*--speculative-config"):
+        read_spec_decode_counters(endpoint)

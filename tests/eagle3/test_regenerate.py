@@ -1,14 +1,16 @@
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import write_jsonl
-from eagle3.config import RegenerateConfig, VerifierConfig
-from eagle3.regenerate import read_user_turns, regenerate
+from conftest import free_port, write_jsonl
+from eagle3.config import EndpointConfig, RegenerateConfig, VerifierConfig
+from eagle3.endpoint import EndpointError
+from eagle3.regenerate import _answer_text, read_user_turns, regenerate
 from eagle3.speculative import greedy_decode
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
@@ -80,3 +82,79 @@ def test_a_rerun_after_a_crash_regenerates_only_what_is_missing(verifier, prompt
     rows = {r["id"]: r for r in pq.read_table(out.path / "conversations.parquet").to_pylist()}
     assert rows["a"]["messages"][1]["content"] == "FOUR"
     assert len(rows) == 3
+
+
+def _served(served_draft, **kw) -> RegenerateConfig:
+    endpoint = EndpointConfig(base_url=served_draft.base_url, model=served_draft.model, **kw)
+    return CFG.model_copy(update={"backend": "openai", "endpoint": endpoint})
+
+
+def _served_requests(served_draft) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(served_draft.base_url.removesuffix("/v1") + "/metrics").read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "vllm:request_success_total")
+
+
+@pytest.mark.vllm
+def test_server_answers_equal_the_embedded_backends_turn_by_turn(served_draft, prompts):
+    store = served_draft.store
+
+    embedded = regenerate(CFG, prompts, served_draft.verifier, store, Provenance(config={"run": "embedded"}))
+    served = regenerate(_served(served_draft), prompts, served_draft.verifier, store, Provenance(config={"run": "served"}))
+
+    rows = pq.read_table(served.path / "conversations.parquet").to_pylist()
+    assert rows == pq.read_table(embedded.path / "conversations.parquet").to_pylist()
+    assert [m["role"] for m in next(r for r in rows if r["id"] == "81")["messages"]] == ["user", "assistant"] * 2
+    assert served.failed == {} and served.num_generated_tokens > 0
+
+
+@pytest.mark.vllm
+def test_a_prompt_longer_than_the_served_context_is_listed_with_the_servers_reason(served_draft, tmp_path):
+    path = write_jsonl(tmp_path / "long.jsonl", [{"id": "short", "prompt": "Hi"}, {"id": "long", "prompt": "word " * 1500}])
+
+    out = regenerate(_served(served_draft), path, served_draft.verifier, served_draft.store, Provenance(config={"run": "long"}))
+
+    assert out.num_records == 1
+    assert list(out.failed) == ["long"]
+    assert out.failed["long"].startswith("server rejected turn 0: HTTP 400") and "maximum context length" in out.failed["long"]
+
+
+@pytest.mark.vllm
+def test_a_rerun_after_a_crash_asks_the_server_only_for_what_is_missing(served_draft, prompts):
+    store = served_draft.store
+    provenance = Provenance(config={"run": "served-resume"})
+    finished = {"id": "a", "messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "FOUR"}],
+                "finish_reasons": ["stop"], "tokens": 1}
+    (store.work_dir("regenerated", provenance.key) / "done.jsonl").write_text(json.dumps(finished) + "\n")
+    before = _served_requests(served_draft)
+
+    out = regenerate(_served(served_draft), prompts, served_draft.verifier, store, provenance)
+
+    rows = {r["id"]: r for r in pq.read_table(out.path / "conversations.parquet").to_pylist()}
+    assert rows["a"]["messages"][1]["content"] == "FOUR" and len(rows) == 3
+    assert _served_requests(served_draft) - before == 3  # record 81: two turns, record c: one
+
+
+@pytest.mark.vllm
+def test_a_model_the_server_does_not_serve_is_named_with_what_it_serves(served_draft, prompts):
+    cfg = _served(served_draft).model_copy(update={"endpoint": EndpointConfig(base_url=served_draft.base_url, model="other")})
+
+    with pytest.raises(EndpointError, match=r"endpoint.model is 'other', but the server serves \['tiny-verifier'\]"):
+        regenerate(cfg, prompts, served_draft.verifier, served_draft.store, Provenance(config={"run": "other"}))
+
+
+def test_an_unreachable_server_stops_the_step_and_keeps_finished_records(verifier, prompts):
+    store, manifest = verifier
+    closed = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    cfg = CFG.model_copy(update={"backend": "openai", "endpoint": EndpointConfig(base_url=closed, model="m", max_retries=0)})
+
+    with pytest.raises(EndpointError, match=r"did not answer after 0 retries .*APIConnectionError.* Finished records are kept in .*done\.jsonl"):
+        regenerate(cfg, prompts, manifest, store, Provenance(config={"run": "unreachable"}))
+
+
+def test_thinking_is_stripped_or_kept_from_the_answer_and_a_servers_reasoning_field():
+    assert _answer_text("<think>\nplan\n</think>\n\nFour.", None, strip_thinking=True) == "Four."
+    assert _answer_text("<think>plan</think>Four.", None, strip_thinking=False) == "<think>plan</think>Four."
+    assert _answer_text("Four.", "plan", strip_thinking=True) == "Four."
+    assert _answer_text("Four.", "plan", strip_thinking=False) == "<think>\nplan\n</think>\n\nFour."

@@ -1,0 +1,104 @@
+"""Requests to an OpenAI-compatible server (`vllm serve`), as the server backends use them.
+
+A failed request is one of two things. The server rejected it (HTTP 400, 413 or 422: say, a prompt
+longer than the served context): that is the record's failure, raised as `RequestRejected` with the
+server's message, for the caller to list. Or the server could not answer (connection refused, time
+out, 5xx, bad key, unknown model) after the client's own `max_retries` retries with back-off: no
+record is to blame, so `EndpointError` stops the step and a re-run resumes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import openai
+
+from eagle3.config import EndpointConfig
+
+__all__ = ["EndpointError", "RequestRejected", "ServedAnswer", "chat", "open_client"]
+
+_REJECTED = (openai.BadRequestError, openai.UnprocessableEntityError)
+
+
+class EndpointError(RuntimeError):
+    """The server is unreachable, failing, or does not serve the configured model."""
+
+
+class RequestRejected(Exception):
+    """The server refused this one request; the message is the server's."""
+
+
+@dataclass(frozen=True)
+class ServedAnswer:
+    content: str
+    reasoning: str | None  # servers with a reasoning parser return thinking apart from the answer
+    finish_reason: str
+    completion_tokens: int  # as the server counts them: vLLM includes the stop token
+
+
+def open_client(cfg: EndpointConfig) -> openai.OpenAI:
+    """A client for `cfg.base_url`, after checking that the server lists `cfg.model`.
+
+    Raises:
+        EndpointError: the server cannot be reached, or does not serve `cfg.model`.
+    """
+    client = openai.OpenAI(
+        base_url=cfg.base_url,
+        api_key=os.environ.get(cfg.api_key_env) or "EMPTY",
+        timeout=cfg.timeout_s,
+        max_retries=cfg.max_retries,
+    )
+    try:
+        served = [m.id for m in client.models.list()]
+    except openai.APIError as exc:
+        raise _unreachable(cfg, exc) from exc
+    if cfg.model not in served:
+        raise EndpointError(
+            f"{cfg.base_url}: endpoint.model is {cfg.model!r}, but the server serves {served}; "
+            "set endpoint.model to the served model name (`vllm serve --served-model-name`)."
+        )
+    return client
+
+
+def chat(client: openai.OpenAI, cfg: EndpointConfig, messages: list[dict[str, str]], sampling: dict) -> ServedAnswer:
+    """One chat completion of `messages` by the served model.
+
+    Raises:
+        RequestRejected: the server refused this request (its message says why).
+        EndpointError: the server could not answer after the retries.
+    """
+    try:
+        response = client.chat.completions.create(model=cfg.model, messages=messages, **sampling)
+    except openai.APIStatusError as exc:
+        if isinstance(exc, _REJECTED) or exc.status_code == 413:
+            raise RequestRejected(_server_message(exc)) from exc
+        raise _unreachable(cfg, exc) from exc
+    except openai.APIError as exc:
+        raise _unreachable(cfg, exc) from exc
+    choice = response.choices[0]
+    message = choice.message
+    reasoning = getattr(message, "reasoning", None) or getattr(message, "reasoning_content", None)
+    return ServedAnswer(
+        content=message.content or "",
+        reasoning=reasoning,
+        finish_reason=choice.finish_reason,
+        completion_tokens=response.usage.completion_tokens,
+    )
+
+
+def _server_message(exc: openai.APIStatusError) -> str:
+    body = exc.body if isinstance(exc.body, dict) else {}
+    return f"HTTP {exc.status_code}: {body.get('message') or exc.message}"
+
+
+def _unreachable(cfg: EndpointConfig, exc: openai.APIError) -> EndpointError:
+    hint = ""
+    if isinstance(exc, openai.AuthenticationError):
+        hint = f" Put the server's API key in ${cfg.api_key_env} (endpoint.api_key_env)."
+    elif isinstance(exc, openai.NotFoundError):
+        hint = f" Is {cfg.base_url} the API root (it usually ends in /v1)?"
+    return EndpointError(
+        f"{cfg.base_url}: the server did not answer after {cfg.max_retries} retries "
+        f"(endpoint.max_retries, endpoint.timeout_s={cfg.timeout_s:g}): {type(exc).__name__}: {exc}.{hint}"
+    )

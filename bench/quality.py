@@ -1,0 +1,110 @@
+"""Quality benchmark: what a SmolLM2-135M-Instruct draft trained on regenerated answers achieves.
+
+    python bench/quality.py --data DIR --size small      # CPU, minutes
+    python bench/quality.py --data DIR --size full       # one GPU (H200: ~15 minutes)
+
+DIR holds `instructions_train.jsonl` (train prompts: `prompt`), `mt_bench_questions.jsonl`
+(MT-bench, first turns evaluated) and `gsm8k_test_dev.jsonl` (`question`). The pipeline flow runs
+once per eval set on one artifact store: the second run reuses every step but evaluation. Prints
+one table (training data, simulated tau, measured tau at k = 3 and 5 with the n-gram baseline, wall
+time per step) and writes it as JSON with `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3.config import PipelineConfig  # noqa: E402
+
+SIZES = {
+    "small": {
+        "regenerate": {"max_records": 48, "max_new_tokens": 96, "batch_size": 16},
+        "dataset": {"max_seq_len": 512},
+        "vocab": {"draft_vocab_size": 4096},
+        "train": {"epochs": 3, "lr": 1e-3, "total_seq_len": 1024},
+        "evaluate": {"num_prompts": 4, "max_new_tokens": 48, "ks": [3, 5]},
+    },
+    "full": {
+        "regenerate": {"max_records": 2000, "max_new_tokens": 256, "batch_size": 256},
+        "dataset": {"max_seq_len": 1024},
+        "vocab": {"draft_vocab_size": 16384},
+        "train": {"epochs": 10, "lr": 1e-3, "total_seq_len": 8192},
+        "evaluate": {"num_prompts": 30, "max_new_tokens": 96, "ks": [3, 5]},
+    },
+}
+EVAL_SETS = {"mt_bench": "mt_bench_questions.jsonl", "gsm8k": "gsm8k_test_dev.jsonl"}
+STEP_KINDS = ["verifier", "regenerated", "dataset", "hidden_states", "vocab_mapping", "draft", "checkpoint", "evaluation"]
+
+
+def config(size: str, data: Path, store: Path, eval_file: str) -> PipelineConfig:
+    groups = SIZES[size]
+    return PipelineConfig.model_validate({
+        "store_dir": str(store),
+        "dataset": {"path": str(data / "instructions_train.jsonl"), **groups["dataset"]},
+        "regenerate": {"enabled": True, **groups["regenerate"]},
+        "vocab": groups["vocab"],
+        "train": groups["train"],
+        "evaluate": {"prompts_path": str(data / eval_file), **groups["evaluate"]},
+    })
+
+
+def _latest_run_manifests(store: Path) -> dict[str, dict]:
+    """kind -> manifest of every artifact the store's latest recorded run reached."""
+    record = json.loads(sorted((store / "runs").glob("*.json"))[-1].read_text())
+    manifests = (json.loads((store / "artifacts" / d / "manifest.json").read_text()) for d in record["artifacts"])
+    return {m["kind"]: m for m in manifests}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, required=True, help="directory with the three JSONL files")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--store", type=Path, default=Path("bench-quality-store"), help="artifact store (reused across runs)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    from flows.train_draft import train_eagle3_draft
+
+    store = args.store.resolve()
+    rows, manifests = {}, {}
+    for name, file in EVAL_SETS.items():
+        result = train_eagle3_draft(config(args.size, args.data.resolve(), store, file))
+        evaluation = result.evaluation
+        manifests = manifests or _latest_run_manifests(store)  # the first run: it computed the shared steps
+        rows[name] = {
+            "prompts": evaluation.num_prompts,
+            "tokens": evaluation.num_tokens,
+            "mismatches": evaluation.mismatches,
+            **{f"{r['method']}_k{r['k']}": round(r["tau"], 3) for r in evaluation.results},
+            "tau_sim": round(result.checkpoint.tau_sim, 3),
+            "eval_seconds": round(evaluation.seconds or 0.0, 1),
+        }
+    dataset, draft = manifests["dataset"], manifests["draft"]
+    summary = {
+        "size": args.size,
+        "config": SIZES[args.size],
+        "training_samples": dataset["num_records"],
+        "training_tokens": dataset["num_tokens"],
+        "supervised_tokens": dataset["num_supervised_tokens"],
+        "epochs": len(draft["epochs"]),
+        "eval": rows,
+        "step_seconds": {kind: round(manifests[kind].get("seconds") or 0.0, 1) for kind in STEP_KINDS if kind in manifests},
+    }
+    print(f"\nsize {args.size}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
+          f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs")
+    columns = ["tau_sim", "eagle3_k3", "ngram_k3", "eagle3_k5", "ngram_k5", "prompts", "tokens", "mismatches", "eval_seconds"]
+    print(f"| eval set | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
+    for name, row in rows.items():
+        print(f"| {name} | {' | '.join(str(row.get(c, '')) for c in columns)} |")
+    print("\nwall seconds per step (first run): " + ", ".join(f"{k} {v}" for k, v in summary["step_seconds"].items()))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

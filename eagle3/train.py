@@ -37,7 +37,7 @@ from eagle3.extract_hidden_states import HiddenStatesManifest, hidden_state_file
 from eagle3.isolation import gpu_memory_used_mib
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
-from eagle3.train_worker import TrainSpec, train_attempt
+from eagle3.train_worker import TrainSpec, report_step, train_attempt
 from eagle3.training_curves import render_training_curves
 from eagle3.verifier import VerifierManifest
 from eagle3.vocab_mapping import VocabManifest
@@ -100,6 +100,15 @@ def _epoch_summaries(records: list[dict], ttt_steps: int) -> list[dict[str, floa
     return [summaries[e] for e in sorted(summaries)]
 
 
+def _read_new_lines(path: Path, offset: int) -> tuple[list[dict], int]:
+    """The complete JSON lines appended to `path` since `offset`, and the offset after them."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        chunk = f.read()
+    complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+    return [json.loads(line) for line in complete.splitlines()], offset + len(complete)
+
+
 def _torchrun(spec: TrainSpec, gpus: list[str], on_step) -> str | None:
     """One attempt as `torchrun` with a process per GPU; returns the out-of-memory message, if any.
     Progress is read from the metrics log the rank-0 process appends to."""
@@ -109,18 +118,17 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step) -> str | None:
                "-m", "eagle3.train_worker", str(spec_file)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
     log_path = spec.work / "train.log"
-    seen = 0
+    # Follow only what this attempt appends (a resumed run's log already holds earlier attempts).
+    offset = spec.metrics_log.stat().st_size if spec.metrics_log.exists() else 0
     with open(log_path, "ab") as log:
         child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         while True:
             code = child.poll()
             if on_step is not None and spec.metrics_log.exists() and (spec.work / "plan.json").exists():
                 total = json.loads((spec.work / "plan.json").read_text())["total_steps"]
-                lines = spec.metrics_log.read_text().splitlines()
-                for record in map(json.loads, lines[seen:]):
-                    if "train" in record:
-                        on_step(record["global_step"] + 1, total, record["train"])
-                seen = len(lines)
+                records, offset = _read_new_lines(spec.metrics_log, offset)
+                for record in records:
+                    report_step(record, total, on_step)
             if code is not None:
                 break
             time.sleep(2.0)

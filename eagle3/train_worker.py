@@ -27,7 +27,7 @@ from eagle3.extract_hidden_states import FAULT_OOM_ENV
 from eagle3.store import atomic_write_text
 from eagle3.vocab_mapping import VocabManifest, load_vocab_mapping
 
-__all__ = ["FAULT_OOM_ENV", "OOM_EXIT", "TrainSpec", "train_attempt"]
+__all__ = ["FAULT_OOM_ENV", "OOM_EXIT", "TrainSpec", "report_step", "train_attempt"]
 
 OOM_EXIT = 75
 
@@ -51,6 +51,12 @@ class TrainSpec(BaseModel):
     @property
     def checkpoints(self) -> Path:
         return self.work / "checkpoints"
+
+
+def report_step(record: dict, total_steps: int, on_step) -> None:
+    """Pass a metrics record that ends an optimizer step to `on_step(step, total, metrics)`."""
+    if "train" in record:
+        on_step(record["global_step"] + 1, total_steps, record["train"])
 
 
 @contextmanager
@@ -206,8 +212,8 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
         atomic_write_text(spec.work / "plan.json", json.dumps({"total_steps": total_steps}))
 
     def on_record(record: dict) -> None:
-        if on_step is not None and "train" in record:
-            on_step(record["global_step"] + 1, total_steps, record["train"])
+        if on_step is not None:
+            report_step(record, total_steps, on_step)
 
     metrics = _collect_metrics(spec.metrics_log, on_record) if rank0 else _no_metrics()
     try:

@@ -59,6 +59,9 @@ class DraftManifest(ArtifactManifest):
         None, description="memory in use on each claimed GPU once the training processes exited"
     )
     curves: str = "training_curves.png"
+    tokens_per_s: float | None = Field(
+        None, description="median training tokens per second per GPU over the steps (speculators' step timer)"
+    )
 
 
 def simulated_acceptance_length(cond_acc: list[float]) -> float:
@@ -83,6 +86,11 @@ def _speculators_data_dir(root: Path, dataset: DatasetManifest, hidden_states: H
     for index, path in files.items():
         os.symlink(path, links / f"hs_{index}.safetensors")
     return data_dir
+
+
+def _median_tokens_per_s(profile_log: Path) -> float | None:
+    rates = sorted(json.loads(line)["tokens_per_s"] for line in profile_log.read_text().splitlines()) if profile_log.exists() else []
+    return rates[len(rates) // 2] if rates else None
 
 
 def _epoch_summaries(records: list[dict], ttt_steps: int) -> list[dict[str, float]]:
@@ -213,6 +221,7 @@ def train_draft(
             tau_sim=epochs[-1]["tau_sim"],
             backoffs=backoffs,
             gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
+            tokens_per_s=_median_tokens_per_s(spec.profile_log),
             seconds=clock(),
         ),
     )

@@ -60,6 +60,14 @@ def test_training_logs_per_step_accuracies_and_simulated_tau(draft):
     assert draft.epochs[-1]["val_loss"] < draft.epochs[0]["val_loss"]
 
 
+def test_training_throughput_counts_tokens_per_second_of_step_time(inputs, draft):
+    dataset = inputs[2]
+    trained_tokens = TRAIN.epochs * dataset.num_tokens * 0.5  # at least half the records train each epoch
+    # Steps take part of the step's wall time, so a true tokens-per-second rate covers the trained tokens.
+    assert draft.tokens_per_s * draft.seconds > trained_tokens
+    assert draft.tokens_per_s < dataset.num_tokens * TRAIN.epochs  # not per millisecond: a step takes > 1 ms here
+
+
 def test_training_draws_its_curves_into_the_draft(draft):
     from PIL import Image
 

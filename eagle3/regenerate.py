@@ -13,12 +13,15 @@ Output `conversations.parquet`: `id`, `messages` (list of {role, content}), `fin
 (`stop` | `length` per generated turn). Records that fail (a prompt longer than the context, an
 empty answer) are listed in the manifest with their reason, never silently dropped. Finished
 records are appended to `done.jsonl` in the work dir as they complete, so a re-run after a crash
-(or an unreachable server) regenerates only what is missing. Cost: one decode per generated token.
+(or an unreachable server) regenerates only what is missing; a last line cut short by a kill is
+dropped and its record redone. Cost: one decode per generated token.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -38,6 +41,8 @@ from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provena
 from eagle3.verifier import VerifierManifest, load_text_model, load_tokenizer
 
 __all__ = ["RegeneratedManifest", "read_user_turns", "regenerate", "regenerated_conversations"]
+
+logger = logging.getLogger(__name__)
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
@@ -143,6 +148,33 @@ def _answers_by_transformers(todo: list[Record], cfg: RegenerateConfig, verifier
             yield {"id": record_id, "failed": failed[b]} if b in failed else _finished(record_id, conversations[b], reasons[b], tokens[b])
 
 
+def _append_done(log, entry: dict) -> None:
+    log.write(json.dumps(entry) + "\n")  # one write per line: a kill leaves at most the last one torn
+    log.flush()
+
+
+def _read_done(done_log: Path) -> dict[str, dict]:
+    """Finished entries by record id. A last line without its newline is a write cut short by a
+    kill: it is cut from the file (so appends start on a fresh line) and its record is redone."""
+    if not done_log.exists():
+        return {}
+    data = done_log.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) < len(data):
+        logger.warning("%s: dropping an incomplete last line (%d bytes, a write cut short); its record is regenerated",
+                       done_log, len(data) - len(complete))
+        os.truncate(done_log, len(complete))
+    done = {}
+    for number, line in enumerate(complete.decode().splitlines(), 1):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ArtifactError(done_log, f"line {number} is not JSON ({exc}); delete that line (its record is "
+                                          "regenerated) or the file (all are)") from exc
+        done[entry["id"]] = entry
+    return done
+
+
 def _answers_by_server(todo: list[Record], cfg: RegenerateConfig) -> Iterator[dict]:
     client = open_client(cfg.endpoint)
     sampling = {"max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
@@ -180,7 +212,7 @@ def regenerate(
     """Have the verifier answer every user turn of `source`; publish the conversations.
 
     Raises:
-        ArtifactError: a record of `source` has no user turn to answer.
+        ArtifactError: a record of `source` has no user turn to answer, or `done.jsonl` is corrupt.
         EndpointError: (backend 'openai') the server is unreachable or does not serve
             `endpoint.model`; the records finished so far are kept for the re-run.
     """
@@ -188,15 +220,14 @@ def regenerate(
     records = read_user_turns(source, cfg.max_records)
     work = store.work_dir("regenerated", provenance.key)
     done_log = work / "done.jsonl"
-    done = {r["id"]: r for r in map(json.loads, done_log.read_text().splitlines())} if done_log.exists() else {}
+    done = _read_done(done_log)
     todo = [r for r in records if r[0] not in done]
     if todo:
         answers = _answers_by_server(todo, cfg) if cfg.backend == "openai" else _answers_by_transformers(todo, cfg, verifier)
         with tqdm(total=len(todo), desc="regenerate", unit="rec") as progress, open(done_log, "a") as log:
             try:
                 for entry in answers:
-                    log.write(json.dumps(entry) + "\n")
-                    log.flush()
+                    _append_done(log, entry)
                     done[entry["id"]] = entry
                     progress.update()
             except EndpointError as exc:

@@ -84,6 +84,30 @@ def test_a_rerun_after_a_crash_regenerates_only_what_is_missing(verifier, prompt
     assert len(rows) == 3
 
 
+def test_a_torn_last_line_of_the_done_log_is_dropped_and_its_record_redone(verifier, prompts):
+    store, manifest = verifier
+    provenance = Provenance(config={"run": "torn"})
+    finished = {"id": "a", "messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "FOUR"}],
+                "finish_reasons": ["stop"], "tokens": 1}
+    torn = json.dumps({"id": "c", "messages": [{"role": "user", "content": "Hi"}]})[:30]  # a kill cut the write short
+    (store.work_dir("regenerated", provenance.key) / "done.jsonl").write_text(json.dumps(finished) + "\n" + torn)
+
+    out = regenerate(CFG, prompts, manifest, store, provenance)
+
+    rows = {r["id"]: r for r in pq.read_table(out.path / "conversations.parquet").to_pylist()}
+    assert rows["a"]["messages"][1]["content"] == "FOUR"
+    assert sorted(rows) == ["81", "a", "c"] and [m["role"] for m in rows["c"]["messages"]] == ["system", "user", "assistant"]
+
+
+def test_a_corrupt_line_inside_the_done_log_names_file_and_line(verifier, prompts):
+    store, manifest = verifier
+    provenance = Provenance(config={"run": "corrupt"})
+    (store.work_dir("regenerated", provenance.key) / "done.jsonl").write_text('{"id": "a", "mess\n{"id": "c"}\n')
+
+    with pytest.raises(ArtifactError, match=r"done\.jsonl: line 1 is not JSON"):
+        regenerate(CFG, prompts, manifest, store, provenance)
+
+
 def _served(served_draft, **kw) -> RegenerateConfig:
     endpoint = EndpointConfig(base_url=served_draft.base_url, model=served_draft.model, **kw)
     return CFG.model_copy(update={"backend": "openai", "endpoint": endpoint})

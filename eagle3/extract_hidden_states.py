@@ -55,8 +55,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Test hook: raise the real torch.OutOfMemoryError for any prefill (or training) batch above this
-# many tokens, so the back-off paths run deterministically without a GPU.
+# Test hook: raise the real torch.OutOfMemoryError for any prefill (or training, or regeneration)
+# batch above this many tokens, so the back-off paths run deterministically without a GPU.
 FAULT_OOM_ENV = "EAGLE3_FAULT_OOM_ABOVE_TOKENS"
 
 

@@ -128,12 +128,16 @@ class RegenerateConfig(_ServerCapableGroup):
     )
     backend: Literal["transformers", "openai"] = Field(
         "transformers",
-        description="transformers: batched generation in this process; openai: requests to an "
-        "OpenAI-compatible server (`endpoint`), e.g. vLLM serving the verifier at scale.",
+        description="transformers: batched generation with the verifier loaded by the step (on a GPU, "
+        "in a child process per attempt); openai: requests to an OpenAI-compatible server (`endpoint`), "
+        "e.g. vLLM serving the verifier at scale.",
     )
     endpoint: EndpointConfig = Field(EndpointConfig(), description="The server, for backend 'openai'.")
     batch_size: int = Field(16, ge=1, description="Conversations generated together (transformers backend).",
                             json_schema_extra=_NO_KEY)
+    min_batch_size: int = Field(
+        1, ge=1, description="Out-of-memory back-off halves batch_size down to this, then fails.", json_schema_extra=_NO_KEY
+    )
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (transformers backend).", json_schema_extra=_NO_KEY)
 
 

@@ -20,7 +20,6 @@ threads while the device computes the next batch. Cost: one verifier forward per
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import logging
@@ -38,7 +37,7 @@ from safetensors.torch import save
 from tqdm import tqdm
 
 from eagle3.config import ConfigError, ExtractConfig
-from eagle3.isolation import gpu_memory_used_mib, run_attempt
+from eagle3.isolation import free_device_memory, gpu_memory_used_mib, run_attempt
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_text, code_version
 from eagle3.verifier import VerifierManifest, load_text_model
@@ -56,8 +55,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Test hook: raise the real torch.OutOfMemoryError for any prefill (or training) batch above this
-# many tokens, so the back-off paths run deterministically without a GPU.
+# Test hook: raise the real torch.OutOfMemoryError for any prefill (or training, or regeneration)
+# batch above this many tokens, so the back-off paths run deterministically without a GPU.
 FAULT_OOM_ENV = "EAGLE3_FAULT_OOM_ABOVE_TOKENS"
 
 
@@ -261,12 +260,6 @@ def _extract_shard(decoder, capture, writer, shard_dir, indices, input_ids, budg
     writer.drain()
 
 
-def _free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def _next_budget(budget: int, minimum: int, backoffs: list[dict], oom: dict) -> int:
     """Halve the prefill budget after an out-of-memory error, or give up below `minimum`."""
     tried = [b["prefill_batch_tokens"] for b in backoffs] + [budget]
@@ -335,7 +328,7 @@ def _extract_attempt(
         writer.close()
         capture.close()
         del model, decoder, capture, writer
-        _free_memory(device)
+        free_device_memory(device)
     return oom
 
 

@@ -23,7 +23,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChildProcessFailed", "gpu_memory_used_mib", "host_gpu_ids", "in_process_device", "lock_free_gpus", "run_attempt"]
+__all__ = [
+    "ChildProcessFailed",
+    "free_device_memory",
+    "gpu_memory_used_mib",
+    "host_gpu_ids",
+    "in_process_device",
+    "lock_free_gpus",
+    "run_attempt",
+]
 
 
 class ChildProcessFailed(RuntimeError):
@@ -79,6 +87,18 @@ def run_attempt(fn: Callable[..., Any], kwargs: dict, visible_devices: list[str]
         return payload
     error, child_traceback = payload
     raise pickle.loads(error) from ChildProcessFailed(f"in the child process:\n{child_traceback}")
+
+
+def free_device_memory(device) -> None:
+    """Return what an attempt held to the device: collect the dropped tensors (an out-of-memory
+    exception's frames pin them until collected), then empty torch's CUDA cache."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def gpu_memory_used_mib(devices: list[str]) -> dict[str, int] | None:

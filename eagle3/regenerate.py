@@ -3,22 +3,34 @@
 Input records: `prompt` (one user turn), MT-bench `turns` (several user turns), or conversations
 (`messages` / ShareGPT `conversations`) whose assistant turns are replaced. Turns are generated
 in order, so each later user turn sees the regenerated earlier answers. Two backends:
-`transformers`, batched `generate` in this process (KV cache on, left padding, prompts sorted by
-length), and `openai`, chat requests to an OpenAI-compatible server such as `vllm serve` (records
-in parallel, `endpoint.concurrency` at a time), which is how the verifier is used at scale. Greedy
-or sampled with a fixed seed; thinking (`<think>...</think>`, or a server's separate reasoning
-field) can be stripped.
+`transformers`, batched `generate` (KV cache on, left padding, prompts sorted by length) with the
+verifier loaded by the step, and `openai`, chat requests to an OpenAI-compatible server such as
+`vllm serve` (records in parallel, `endpoint.concurrency` at a time), which is how the verifier is
+used at scale. Greedy or sampled with a fixed seed; thinking (`<think>...</think>`, or a server's
+separate reasoning field) can be stripped.
+
+The transformers backend runs in attempts: one model load, then the remaining records batch by
+batch. On the claimed GPUs each attempt is a child process (`eagle3.isolation.run_attempt`), so
+its memory is gone when it exits; on CPU it runs in this process. Out of memory, an attempt stops
+and the step halves `batch_size` (down to `min_batch_size`, then fails) and retries the records
+not yet finished; each back-off is logged and listed in the manifest (`backoffs`). Batch size is
+not part of the cache key: greedy answers do not depend on it (left padding is masked), so a
+backed-off run publishes the same artifact.
 
 Output `conversations.parquet`: `id`, `messages` (list of {role, content}), `finish_reasons`
 (`stop` | `length` per generated turn). Records that fail (a prompt longer than the context, an
 empty answer) are listed in the manifest with their reason, never silently dropped. Finished
-records are appended to `done.jsonl` in the work dir as they complete, so a re-run after a crash
-(or an unreachable server) regenerates only what is missing. Cost: one decode per generated token.
+records are appended to `done.jsonl` in the work dir as they complete (by the attempt itself, in
+its child process), so a re-run after a crash, an unreachable server or an out-of-memory failure
+regenerates only what is missing; a last line cut short by a kill is dropped and its record redone.
+Cost: one decode per generated token.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -28,16 +40,20 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from pydantic import Field
 from tqdm import tqdm
 
 from eagle3.config import RegenerateConfig
 from eagle3.endpoint import EndpointError, RequestRejected, chat, open_client
-from eagle3.extract_hidden_states import resolve_device
+from eagle3.extract_hidden_states import FAULT_OOM_ENV, resolve_device
+from eagle3.isolation import free_device_memory, gpu_memory_used_mib, run_attempt
 from eagle3.prepare_dataset import ROLE_ALIASES, read_records
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.verifier import VerifierManifest, load_text_model, load_tokenizer
 
 __all__ = ["RegeneratedManifest", "read_user_turns", "regenerate", "regenerated_conversations"]
+
+logger = logging.getLogger(__name__)
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
@@ -49,6 +65,10 @@ class RegeneratedManifest(ArtifactManifest):
     num_records: int
     num_generated_tokens: int
     failed: dict[str, str]
+    backoffs: list[dict] = []
+    gpu_memory_after_mib: dict[str, int] | None = Field(
+        None, description="memory in use on each claimed GPU once the step's processes exited"
+    )
 
 
 def read_user_turns(path: Path, limit: int | None) -> list[Record]:
@@ -88,6 +108,11 @@ def _generate(model, tokenizer, conversations: list[list[dict]], cfg: Regenerate
     """Greedy/sampled continuations of each conversation: (new token ids, finish reason)."""
     prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] for c in conversations]
     width = max(map(len, prompts))
+    limit = os.environ.get(FAULT_OOM_ENV)  # measured in padded prompt tokens, as extraction's prefill
+    if limit and len(prompts) * width > int(limit):
+        raise torch.OutOfMemoryError(
+            f"simulated out of memory: {len(prompts)} x {width} padded prompt tokens > {FAULT_OOM_ENV}={limit}"
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -116,31 +141,117 @@ def _finished(record_id: str, messages: list[dict], reasons: list[str], tokens: 
     return {"id": record_id, "messages": messages, "finish_reasons": reasons, "tokens": tokens}
 
 
-def _answers_by_transformers(todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest) -> Iterator[dict]:
-    device = resolve_device(cfg.device)
+def _answer_batch(model, tokenizer, batch: list[Record], cfg: RegenerateConfig, device) -> list[dict]:
+    """One finished (or failed) entry per record of `batch`, generated together turn by turn."""
+    conversations = [list(system) for _, system, _ in batch]
+    reasons: list[list[str]] = [[] for _ in batch]
+    tokens = [0] * len(batch)
+    failed: dict[int, str] = {}
+    for turn in range(max(len(users) for _, _, users in batch)):
+        active = [b for b, (_, _, users) in enumerate(batch) if turn < len(users) and b not in failed]
+        for b in active:
+            conversations[b].append({"role": "user", "content": batch[b][2][turn]})
+        for b, (new, reason) in zip(active, _generate(model, tokenizer, [conversations[b] for b in active], cfg, device)):
+            text = _answer_text(tokenizer.decode(new, skip_special_tokens=True), None, cfg.strip_thinking)
+            if not text:
+                failed[b] = f"empty answer at turn {turn}"
+                continue
+            conversations[b].append({"role": "assistant", "content": text})
+            reasons[b].append(reason)
+            tokens[b] += len(new)
+    return [{"id": record_id, "failed": failed[b]} if b in failed else _finished(record_id, conversations[b], reasons[b], tokens[b])
+            for b, (record_id, _, _) in enumerate(batch)]
+
+
+def _append_done(log, entry: dict) -> None:
+    log.write(json.dumps(entry) + "\n")  # one write per line: a kill leaves at most the last one torn
+    log.flush()
+
+
+def _read_done(done_log: Path) -> dict[str, dict]:
+    """Finished entries by record id. A last line without its newline is a write cut short by a
+    kill: it is cut from the file (so appends start on a fresh line) and its record is redone."""
+    if not done_log.exists():
+        return {}
+    data = done_log.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) < len(data):
+        logger.warning("%s: dropping an incomplete last line (%d bytes, a write cut short); its record is regenerated",
+                       done_log, len(data) - len(complete))
+        os.truncate(done_log, len(complete))
+    done = {}
+    for number, line in enumerate(complete.decode().splitlines(), 1):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ArtifactError(done_log, f"line {number} is not JSON ({exc}); delete that line (its record is "
+                                          "regenerated) or the file (all are)") from exc
+        done[entry["id"]] = entry
+    return done
+
+
+def _transformers_attempt(
+    todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, device: str, batch_size: int, done_log: Path, on_progress
+) -> dict | None:
+    """Answer `todo` batch by batch with one model load, appending each finished record to `done_log`.
+
+    Returns None when all are done, or {"records", "error"} at the first out-of-memory error: that
+    batch and the later ones are left to the caller, to retry with a smaller batch size (in a fresh
+    process on a GPU). `on_progress(records)` is called after each batch.
+    """
+    device = torch.device(device)
     tokenizer = load_tokenizer(verifier.path)
     model = load_text_model(verifier.path, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
     todo = sorted(todo, key=lambda r: len(r[2][0]))
-    for start in range(0, len(todo), cfg.batch_size):
-        batch = todo[start : start + cfg.batch_size]
-        conversations = [list(system) for _, system, _ in batch]
-        reasons: list[list[str]] = [[] for _ in batch]
-        tokens = [0] * len(batch)
-        failed: dict[int, str] = {}
-        for turn in range(max(len(users) for _, _, users in batch)):
-            active = [b for b, (_, _, users) in enumerate(batch) if turn < len(users) and b not in failed]
-            for b in active:
-                conversations[b].append({"role": "user", "content": batch[b][2][turn]})
-            for b, (new, reason) in zip(active, _generate(model, tokenizer, [conversations[b] for b in active], cfg, device)):
-                text = _answer_text(tokenizer.decode(new, skip_special_tokens=True), None, cfg.strip_thinking)
-                if not text:
-                    failed[b] = f"empty answer at turn {turn}"
-                    continue
-                conversations[b].append({"role": "assistant", "content": text})
-                reasons[b].append(reason)
-                tokens[b] += len(new)
-        for b, (record_id, _, _) in enumerate(batch):
-            yield {"id": record_id, "failed": failed[b]} if b in failed else _finished(record_id, conversations[b], reasons[b], tokens[b])
+    try:
+        with open(done_log, "a") as log:
+            for start in range(0, len(todo), batch_size):
+                batch = todo[start : start + batch_size]
+                try:
+                    answers = _answer_batch(model, tokenizer, batch, cfg, device)
+                except torch.OutOfMemoryError as exc:
+                    return {"records": [record_id for record_id, _, _ in batch], "error": str(exc).splitlines()[0]}
+                for entry in answers:
+                    _append_done(log, entry)
+                on_progress(len(batch))
+    finally:
+        del model
+        free_device_memory(device)
+    return None
+
+
+def _next_batch_size(batch_size: int, minimum: int, backoffs: list[dict], oom: dict, done_log: Path) -> int:
+    """Halve the batch size after an out-of-memory error, or give up below `minimum`."""
+    tried = [b["batch_size"] for b in backoffs] + [batch_size]
+    if batch_size // 2 < minimum:
+        raise RuntimeError(
+            f"regeneration ran out of memory on records {oom['records']} at every batch size tried "
+            f"(regenerate.batch_size = {tried}) down to regenerate.min_batch_size = {minimum}: {oom['error']}. "
+            f"Finished records are kept in {done_log}: a re-run resumes there. Lower regenerate.min_batch_size "
+            "or max_new_tokens, shorten those prompts, or use a device with more memory."
+        )
+    backoffs.append({"batch_size": batch_size, "retry_with": batch_size // 2, "records": oom["records"], "error": oom["error"]})
+    logger.warning("out of memory on records %s at regenerate.batch_size=%d; retrying the unfinished records with %d",
+                   oom["records"], batch_size, batch_size // 2)
+    return batch_size // 2
+
+
+def _regenerate_by_transformers(
+    todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, done_log: Path, gpus: list[str] | None, records_done
+) -> list[dict]:
+    """Run attempts until every record of `todo` is in `done_log`; the back-offs taken."""
+    device = "cuda" if gpus else str(resolve_device(cfg.device))
+    backoffs: list[dict] = []
+    batch_size = cfg.batch_size
+    while todo:
+        attempt = {"todo": todo, "cfg": cfg, "verifier": verifier, "device": device, "batch_size": batch_size, "done_log": done_log}
+        oom = run_attempt(_transformers_attempt, attempt, gpus, records_done)
+        finished = _read_done(done_log)
+        todo = [r for r in todo if r[0] not in finished]
+        assert oom is not None or not todo, "an attempt without an out-of-memory error left records unfinished"
+        if oom is not None:
+            batch_size = _next_batch_size(batch_size, cfg.min_batch_size, backoffs, oom, done_log)
+    return backoffs
 
 
 def _answers_by_server(todo: list[Record], cfg: RegenerateConfig) -> Iterator[dict]:
@@ -174,33 +285,58 @@ def _answers_by_server(todo: list[Record], cfg: RegenerateConfig) -> Iterator[di
                 future.cancel()
 
 
+def _regenerate_by_server(todo: list[Record], cfg: RegenerateConfig, done_log: Path, records_done) -> None:
+    with open(done_log, "a") as log:
+        try:
+            for entry in _answers_by_server(todo, cfg):
+                _append_done(log, entry)
+                records_done(1)
+        except EndpointError as exc:
+            raise EndpointError(f"{exc} Finished records are kept in {done_log}: a re-run resumes there.") from exc
+
+
 def regenerate(
-    cfg: RegenerateConfig, source: Path, verifier: VerifierManifest, store: ArtifactStore, provenance: Provenance
+    cfg: RegenerateConfig,
+    source: Path,
+    verifier: VerifierManifest,
+    store: ArtifactStore,
+    provenance: Provenance,
+    on_progress=None,
+    gpus: list[str] | None = None,
 ) -> RegeneratedManifest:
     """Have the verifier answer every user turn of `source`; publish the conversations.
 
+    `gpus`: claimed CUDA devices (transformers backend); each attempt then runs in a child process
+    seeing only them (None: in this process on `cfg.device`). `on_progress(records_done,
+    records_total)` is called as records finish.
+
     Raises:
-        ArtifactError: a record of `source` has no user turn to answer.
+        ArtifactError: a record of `source` has no user turn to answer, or `done.jsonl` is corrupt.
         EndpointError: (backend 'openai') the server is unreachable or does not serve
             `endpoint.model`; the records finished so far are kept for the re-run.
+        RuntimeError: (backend 'transformers') out of memory even at `cfg.min_batch_size`; the
+            records finished so far are kept for the re-run.
     """
     clock = Stopwatch()
     records = read_user_turns(source, cfg.max_records)
     work = store.work_dir("regenerated", provenance.key)
     done_log = work / "done.jsonl"
-    done = {r["id"]: r for r in map(json.loads, done_log.read_text().splitlines())} if done_log.exists() else {}
+    done = _read_done(done_log)
     todo = [r for r in records if r[0] not in done]
+    backoffs: list[dict] = []
     if todo:
-        answers = _answers_by_server(todo, cfg) if cfg.backend == "openai" else _answers_by_transformers(todo, cfg, verifier)
-        with tqdm(total=len(todo), desc="regenerate", unit="rec") as progress, open(done_log, "a") as log:
-            try:
-                for entry in answers:
-                    log.write(json.dumps(entry) + "\n")
-                    log.flush()
-                    done[entry["id"]] = entry
-                    progress.update()
-            except EndpointError as exc:
-                raise EndpointError(f"{exc} Finished records are kept in {done_log}: a re-run resumes there.") from exc
+        with tqdm(total=len(todo), desc="regenerate", unit="rec") as progress:
+
+            def records_done(count: int) -> None:
+                progress.update(count)
+                if on_progress is not None:
+                    on_progress(progress.n, len(todo))
+
+            if cfg.backend == "openai":
+                _regenerate_by_server(todo, cfg, done_log, records_done)
+            else:
+                backoffs = _regenerate_by_transformers(todo, cfg, verifier, done_log, gpus, records_done)
+        done = _read_done(done_log)
 
     ok = [done[r[0]] for r in records if "failed" not in done[r[0]]]
     out = work / "artifact"
@@ -218,6 +354,8 @@ def regenerate(
             num_records=len(ok),
             num_generated_tokens=sum(r["tokens"] for r in ok),
             failed={r[0]: done[r[0]]["failed"] for r in records if "failed" in done[r[0]]},
+            backoffs=backoffs,
+            gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
             seconds=clock(),
         ),
     )

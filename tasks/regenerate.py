@@ -6,12 +6,11 @@ from prefect import task
 
 from eagle3 import regenerate as step
 from eagle3.config import RegenerateConfig
-from eagle3.isolation import in_process_device
 from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
 from tasks.gpu import claim_gpus
-from tasks.report import publish_step_report
+from tasks.report import Progress, publish_step_report
 from tasks.store import run_store
 
 
@@ -19,9 +18,10 @@ from tasks.store import run_store
 def regenerate_task(store_dir: str, cfg: RegenerateConfig, source: Path, verifier: VerifierManifest) -> step.RegeneratedManifest:
     store = run_store(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
-    # A server backend runs elsewhere and claims nothing; in-process work runs on the claimed GPU.
+    # A server backend runs elsewhere and claims nothing; the transformers backend runs each
+    # attempt in a child process on the claimed GPU.
     with claim_gpus(cfg.device if cfg.backend == "transformers" else "cpu") as gpus:
-        manifest = step.regenerate(cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)}), source, verifier, store, provenance)
-    publish_step_report(manifest, {"num_records": manifest.num_records, "num_generated_tokens": manifest.num_generated_tokens,
-                                   "failed": len(manifest.failed)})
+        manifest = step.regenerate(cfg, source, verifier, store, provenance, on_progress=Progress("regenerate (records)"), gpus=gpus)
+    numbers = manifest.model_dump(include={"num_records", "num_generated_tokens", "backoffs", "gpu_memory_after_mib"})
+    publish_step_report(manifest, {**numbers, "failed": len(manifest.failed)})
     return manifest

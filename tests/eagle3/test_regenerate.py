@@ -10,7 +10,9 @@ import torch
 from conftest import free_port, write_jsonl
 from eagle3.config import EndpointConfig, RegenerateConfig, VerifierConfig
 from eagle3.endpoint import EndpointError
-from eagle3.regenerate import _answer_text, read_user_turns, regenerate
+from eagle3.extract_hidden_states import FAULT_OOM_ENV
+from eagle3.isolation import run_attempt
+from eagle3.regenerate import _answer_text, _transformers_attempt, read_user_turns, regenerate
 from eagle3.speculative import greedy_decode
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
@@ -82,6 +84,76 @@ def test_a_rerun_after_a_crash_regenerates_only_what_is_missing(verifier, prompt
     rows = {r["id"]: r for r in pq.read_table(out.path / "conversations.parquet").to_pylist()}
     assert rows["a"]["messages"][1]["content"] == "FOUR"
     assert len(rows) == 3
+
+
+def test_a_torn_last_line_of_the_done_log_is_dropped_and_its_record_redone(verifier, prompts):
+    store, manifest = verifier
+    provenance = Provenance(config={"run": "torn"})
+    finished = {"id": "a", "messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "FOUR"}],
+                "finish_reasons": ["stop"], "tokens": 1}
+    torn = json.dumps({"id": "c", "messages": [{"role": "user", "content": "Hi"}]})[:30]  # a kill cut the write short
+    (store.work_dir("regenerated", provenance.key) / "done.jsonl").write_text(json.dumps(finished) + "\n" + torn)
+
+    out = regenerate(CFG, prompts, manifest, store, provenance)
+
+    rows = {r["id"]: r for r in pq.read_table(out.path / "conversations.parquet").to_pylist()}
+    assert rows["a"]["messages"][1]["content"] == "FOUR"
+    assert sorted(rows) == ["81", "a", "c"] and [m["role"] for m in rows["c"]["messages"]] == ["system", "user", "assistant"]
+
+
+def test_a_corrupt_line_inside_the_done_log_names_file_and_line(verifier, prompts):
+    store, manifest = verifier
+    provenance = Provenance(config={"run": "corrupt"})
+    (store.work_dir("regenerated", provenance.key) / "done.jsonl").write_text('{"id": "a", "mess\n{"id": "c"}\n')
+
+    with pytest.raises(ArtifactError, match=r"done\.jsonl: line 1 is not JSON"):
+        regenerate(CFG, prompts, manifest, store, provenance)
+
+
+def test_out_of_memory_halves_the_batch_and_publishes_the_same_artifact(verifier, prompts, monkeypatch, tmp_path):
+    _, manifest = verifier
+    cfg = CFG.model_copy(update={"batch_size": 4})
+    direct = regenerate(cfg, prompts, manifest, ArtifactStore(tmp_path / "direct"), Provenance())
+    monkeypatch.setenv(FAULT_OOM_ENV, "80")  # the 3 first turns padded to 31 tokens do not fit; 2 of them do
+
+    backed_off = regenerate(cfg, prompts, manifest, ArtifactStore(tmp_path / "oom"), Provenance())
+
+    assert [(b["batch_size"], b["retry_with"]) for b in backed_off.backoffs] == [(4, 2)]
+    assert backed_off.backoffs[0]["error"] == f"simulated out of memory: 3 x 31 padded prompt tokens > {FAULT_OOM_ENV}=80"
+    # Greedy answers do not depend on the batch (left padding is masked; fp32 on CPU): the same rows.
+    rows = pq.read_table(backed_off.path / "conversations.parquet").to_pylist()
+    assert rows == pq.read_table(direct.path / "conversations.parquet").to_pylist()
+    assert backed_off.digest == direct.digest
+
+
+def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried_and_keeps_finished_records(verifier, prompts, monkeypatch):
+    store, manifest = verifier
+    provenance = Provenance(config={"run": "oom-minimum"})
+    monkeypatch.setenv(FAULT_OOM_ENV, "40")  # every first turn fits alone; record 81's second turn (60 tokens) never does
+
+    with pytest.raises(RuntimeError, match=r"records \['81'\] at every batch size tried \(regenerate.batch_size = \[2, 1\]\) "
+                                           r"down to regenerate.min_batch_size = 1: simulated out of memory.* Finished records are kept"):
+        regenerate(CFG, prompts, manifest, store, provenance)
+
+    done_log = store.work_dir("regenerated", provenance.key) / "done.jsonl"
+    assert [json.loads(line)["id"] for line in done_log.read_text().splitlines()] == ["c"]
+    monkeypatch.delenv(FAULT_OOM_ENV)
+    progress = []
+    out = regenerate(CFG, prompts, manifest, store, provenance, on_progress=lambda *p: progress.append(p))
+    assert out.num_records == 3 and progress[-1] == (2, 2)
+
+
+def test_an_attempt_in_a_child_process_writes_what_it_writes_in_process(verifier, prompts, tmp_path):
+    _, manifest = verifier
+    attempt = {"todo": read_user_turns(prompts, None), "cfg": CFG, "verifier": manifest, "device": "cpu", "batch_size": 2}
+    progress = []
+
+    in_process = run_attempt(_transformers_attempt, {**attempt, "done_log": tmp_path / "in_process.jsonl"}, None)
+    in_child = run_attempt(_transformers_attempt, {**attempt, "done_log": tmp_path / "in_child.jsonl"}, ["0"], progress.append)
+
+    assert in_process is None and in_child is None
+    assert (tmp_path / "in_child.jsonl").read_text() == (tmp_path / "in_process.jsonl").read_text()
+    assert progress == [2, 1]
 
 
 def _served(served_draft, **kw) -> RegenerateConfig:

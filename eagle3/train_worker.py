@@ -27,7 +27,7 @@ from eagle3.extract_hidden_states import FAULT_OOM_ENV
 from eagle3.store import atomic_write_text
 from eagle3.vocab_mapping import VocabManifest, load_vocab_mapping
 
-__all__ = ["FAULT_OOM_ENV", "OOM_EXIT", "TrainSpec", "report_step", "train_attempt"]
+__all__ = ["FAULT_OOM_ENV", "OOM_EXIT", "TrainSpec", "report_step", "speculators_train_config", "train_attempt"]
 
 OOM_EXIT = 75
 
@@ -113,29 +113,15 @@ def _fault_oom_above(model, limit: int) -> None:
     model.forward = guarded
 
 
-def train_attempt(spec: TrainSpec, on_step=None) -> None:
-    """Train (or resume) into `spec.checkpoints`; rank 0 appends metrics to `spec.metrics_log`.
-
-    `on_step(step, total, metrics)` is called after every optimizer step on rank 0.
-    """
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.models.eagle3.data import shift_batch
-    from speculators.models.eagle3.rotary_partial import install_partial_neox_rotary
-    from speculators.train.cli import create_transformer_layer_config
+def speculators_train_config(spec: TrainSpec):
+    """speculators' own `TrainConfig` for this attempt: the settings its CLI would be given."""
     from speculators.train.config import TrainConfig as SpeculatorsTrainConfig
-    from speculators.train.dataloader import create_train_val_loaders
-    from speculators.train.distributed import get_rank, maybe_destroy_distributed, maybe_setup_distributed
-    from speculators.train.trainer import TrainerConfig
-    from speculators.train.utils import resolve_mask_token_id
-    from hs_connectors import FileTransfer
 
     cfg, device = spec.cfg, torch.device(spec.device)
-    data_dir = spec.work / "data"
-    verifier_path = str(spec.verifier_path)
-    flat = SpeculatorsTrainConfig.from_flat(
+    return SpeculatorsTrainConfig.from_flat(
         {
-            "verifier_name_or_path": verifier_path,
-            "data_path": str(data_dir),
+            "verifier_name_or_path": str(spec.verifier_path),
+            "data_path": str(spec.work / "data"),
             "save_path": str(spec.checkpoints),
             "target_layer_ids": spec.aux_layer_ids,
             "draft_vocab_size": spec.vocab.draft_vocab_size,
@@ -155,7 +141,28 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
             "on_missing": "raise",
             "num_workers": 0 if device.type == "cpu" else 4,
         }
-    ).flatten()
+    )
+
+
+def train_attempt(spec: TrainSpec, on_step=None) -> None:
+    """Train (or resume) into `spec.checkpoints`; rank 0 appends metrics to `spec.metrics_log`.
+
+    `on_step(step, total, metrics)` is called after every optimizer step on rank 0.
+    """
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.models.eagle3.rotary_partial import install_partial_neox_rotary
+    from speculators.train.cli import create_transformer_layer_config
+    from speculators.train.dataloader import create_train_val_loaders
+    from speculators.train.distributed import get_rank, maybe_destroy_distributed, maybe_setup_distributed
+    from speculators.train.trainer import TrainerConfig
+    from speculators.train.utils import resolve_mask_token_id
+    from hs_connectors import FileTransfer
+
+    cfg, device = spec.cfg, torch.device(spec.device)
+    data_dir = spec.work / "data"
+    verifier_path = str(spec.verifier_path)
+    flat = speculators_train_config(spec).flatten()
 
     if device.type == "cuda":
         maybe_setup_distributed()  # a no-op outside torchrun

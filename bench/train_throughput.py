@@ -1,0 +1,199 @@
+"""Draft-training throughput on one GPU: the pipeline's training step against speculators' own CLI entry.
+
+    python bench/train_throughput.py                    # Llama-3.1-8B width, 4 layers, random weights
+    python bench/train_throughput.py --samples 16 --epochs 1   # a quick smoke run
+
+Both sides train the same EAGLE-3 draft (1 layer, draft vocab 32000, 3 TTT steps, flex attention,
+fused loss, 8192-token batches) on the same hidden states, extracted once by the pipeline from a
+random-weight verifier of Llama-3.1-8B width (H 4096, vocab 128256; its depth does not change the
+draft's cost):
+- `pipeline`: `eagle3.train.train_draft` as the flow runs it: data directory, `torchrun` worker,
+  metrics log, progress, export of the last checkpoint, curves;
+- `direct`: `speculators.train.cli.main` under `torchrun` with the same speculators settings
+  (`eagle3.train_worker.speculators_train_config`) and the same vocab mapping files, plus the one fix
+  torch 2.11 needs (`trainer_compat.trainer_class`).
+Per-GPU tokens/s is the median of speculators' own step timer on each side; wall seconds run from
+launch to exit (the pipeline runs first, so any compile cache on disk favours `direct`); peak GPU
+memory is polled with nvidia-smi (the device's view: CUDA context and allocator cache included).
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3 import trainer_compat  # noqa: E402
+from eagle3.config import ExtractConfig, TrainConfig, VocabConfig  # noqa: E402
+from eagle3.extract_hidden_states import extract_hidden_states  # noqa: E402
+from eagle3.prepare_dataset import DatasetManifest  # noqa: E402
+from eagle3.store import ArtifactStore, Provenance  # noqa: E402
+from eagle3.train import _median_tokens_per_s, _speculators_data_dir, train_draft  # noqa: E402
+from eagle3.train_worker import TrainSpec, _collect_metrics, speculators_train_config  # noqa: E402
+from eagle3.verifier import VerifierManifest  # noqa: E402
+from eagle3.vocab_mapping import build_vocab_mapping, load_vocab_mapping  # noqa: E402
+
+VOCAB = 128256
+
+
+def build_verifier(root: Path, layers: int) -> VerifierManifest:
+    """Random weights at Llama-3.1-8B width, with a word-level tokenizer that names a mask token."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=VOCAB, max_position_embeddings=8192, rope_theta=500000.0,
+                         tie_word_embeddings=False)
+    with torch.device("cuda"):
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(root)
+    words = {"<unk>": 0, "<pad>": 1, "<mask>": 2}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(words, unk_token="<unk>")), unk_token="<unk>",
+                            pad_token="<pad>", mask_token="<mask>").save_pretrained(root)
+    torch.cuda.empty_cache()
+    return VerifierManifest(path=root, num_hidden_layers=layers, hidden_size=4096, vocab_size=VOCAB, nested=False)
+
+
+def build_dataset(root: Path, samples: int, seq_len: int) -> DatasetManifest:
+    root.mkdir(parents=True)
+    ids = torch.randint(0, 128000, (samples, seq_len), generator=torch.Generator().manual_seed(0))
+    pq.write_table(pa.table({"input_ids": ids.tolist(), "loss_mask": [[1] * seq_len] * samples,
+                             "seq_len": [seq_len] * samples, "record_id": [str(i) for i in range(samples)]}),
+                   root / "data-00000.parquet")
+    tokens, counts = ids.unique(return_counts=True)
+    pq.write_table(pa.table({"token_id": tokens.tolist(), "count": counts.tolist()}), root / "token_freq.parquet")
+    return DatasetManifest(path=root, num_records=samples, num_tokens=samples * seq_len, num_supervised_tokens=samples * seq_len,
+                           num_truncated=0, dropped={}, files=["data-00000.parquet"])
+
+
+class PeakMemory:
+    """Highest memory.used (MiB) nvidia-smi reports on GPU 0 while the block runs."""
+
+    def __enter__(self):
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                                 capture_output=True, text=True).stdout
+            self.peak = max(self.peak, int(out.strip() or 0))
+            self._stop.wait(0.2)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def direct_worker(spec_file: Path) -> None:
+    """Under torchrun: speculators' CLI entry point on the pipeline's data and vocab mapping."""
+    from speculators.train import cli
+    from speculators.train.config import TrainConfig as SpeculatorsTrainConfig
+
+    # speculators 0.9.0's config does not mirror hs-connectors' `hidden_states_path`, which its file
+    # backend reads: unset, it means the data directory's hidden_states/.
+    flatten = SpeculatorsTrainConfig.flatten
+    SpeculatorsTrainConfig.flatten = lambda self: {"hidden_states_path": None, **flatten(self)}
+
+    spec = TrainSpec.model_validate_json(spec_file.read_text())
+    d2t, t2d = load_vocab_mapping(spec.vocab)
+    np.save(spec.work / "d2t.npy", d2t.numpy())
+    np.save(spec.work / "t2d.npy", t2d.numpy())
+    flat = speculators_train_config(spec).flatten()
+    flat.update(d2t_path=str(spec.work / "d2t.npy"), t2d_path=str(spec.work / "t2d.npy"), logger="")
+    with ExitStack() as stack:
+        setup = cli.setup_metric_logger
+
+        def setup_then_record_steps(*args, **kwargs):
+            setup(*args, **kwargs)  # it resets the metrics logger's handlers: add the step sink after it
+            stack.enter_context(_collect_metrics(spec.metrics_log, spec.profile_log, lambda _record: None))
+
+        cli.setup_metric_logger = setup_then_record_steps
+        with trainer_compat.trainer_class(torch.device("cuda")):
+            cli.main(SpeculatorsTrainConfig.from_flat(flat))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=4, help="verifier depth (the draft's cost does not depend on it)")
+    parser.add_argument("--samples", type=int, default=96)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--total-seq-len", type=int, default=8192)
+    parser.add_argument("--draft-vocab-size", type=int, default=32000)
+    parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--json", default=None, help="also write the JSON result here")
+    parser.add_argument("--direct-worker", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.direct_worker:
+        return direct_worker(args.direct_worker)
+
+    root = Path(tempfile.mkdtemp(dir=args.workdir))
+    store = ArtifactStore(root / "store")
+    verifier = build_verifier(root / "verifier", args.layers)
+    dataset = build_dataset(root / "dataset", args.samples, args.seq_len)
+    aux = [1, args.layers // 2, args.layers - 1]
+    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=aux, device="cuda"), dataset, verifier, store, Provenance(), gpus=["0"])
+    vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=args.draft_vocab_size), dataset, VOCAB, store, Provenance())
+    cfg = TrainConfig(epochs=args.epochs, total_seq_len=args.total_seq_len, device="cuda")
+
+    start = time.perf_counter()
+    with PeakMemory() as pipeline_memory:
+        draft = train_draft(cfg, dataset, hidden, vocab, verifier, store, Provenance(), gpus=["0"])
+    pipeline_s = time.perf_counter() - start
+
+    work = root / "direct"
+    work.mkdir()
+    _speculators_data_dir(work, dataset, hidden)
+    spec = TrainSpec(cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=aux, hidden_size=4096, vocab=vocab,
+                     total_seq_len=args.total_seq_len, device="cuda")
+    (work / "spec.json").write_text(spec.model_dump_json())
+    start = time.perf_counter()
+    with PeakMemory() as direct_memory:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                        __file__, "--direct-worker", str(work / "spec.json")], check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    direct_s = time.perf_counter() - start
+    direct_tps = _median_tokens_per_s(spec.profile_log)
+    direct_steps = sum(1 for line in spec.metrics_log.read_text().splitlines() if "train" in json.loads(line))
+
+    result = {
+        "device": subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"], capture_output=True, text=True).stdout.strip(),
+        "torch": torch.__version__,
+        "shape": {"hidden": 4096, "verifier_vocab": VOCAB, "draft_vocab": args.draft_vocab_size, "samples": args.samples,
+                  "seq_len": args.seq_len, "epochs": args.epochs, "total_seq_len": args.total_seq_len},
+        "pipeline": {"tokens_per_s": draft.tokens_per_s, "steps": draft.num_steps, "wall_s": pipeline_s, "peak_memory_mib": pipeline_memory.peak},
+        "direct": {"tokens_per_s": direct_tps, "steps": direct_steps, "wall_s": direct_s, "peak_memory_mib": direct_memory.peak},
+        "pipeline_over_direct_tokens_per_s": draft.tokens_per_s / direct_tps,
+    }
+    print(f"{result['device']}: draft for H4096 / vocab {VOCAB}, draft vocab {args.draft_vocab_size}, "
+          f"{args.samples} x {args.seq_len} tokens, {args.epochs} epochs, batches of {args.total_seq_len} tokens")
+    print(f"  {'':<10} {'tok/s/GPU':>10} {'steps':>6} {'wall s':>8} {'peak MiB':>9}")
+    for name in ("pipeline", "direct"):
+        row = result[name]
+        print(f"  {name:<10} {row['tokens_per_s']:>10,.0f} {row['steps']:>6} {row['wall_s']:>8.1f} {row['peak_memory_mib']:>9,}")
+    print(f"  pipeline / direct tokens/s: {result['pipeline_over_direct_tokens_per_s']:.3f}")
+    line = json.dumps(result)
+    print(line)
+    if args.json:
+        Path(args.json).write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

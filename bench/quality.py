@@ -1,7 +1,7 @@
 """Quality benchmark: what a SmolLM2-135M-Instruct draft trained on regenerated answers achieves.
 
     python bench/quality.py --data DIR --size small      # CPU, minutes
-    python bench/quality.py --data DIR --size full       # one GPU (H200: ~15 minutes)
+    eagle3 gpu-limit && python bench/quality.py --data DIR --size full   # one GPU (H200: ~10 minutes)
 
 DIR holds `instructions_train.jsonl` (train prompts: `prompt`), `mt_bench_questions.jsonl`
 (MT-bench, first turns evaluated) and `gsm8k_test_dev.jsonl` (`question`). The pipeline flow runs
@@ -23,18 +23,18 @@ from eagle3.config import PipelineConfig  # noqa: E402
 
 SIZES = {
     "small": {
-        "regenerate": {"max_records": 48, "max_new_tokens": 96, "batch_size": 16},
+        "regenerate": {"max_records": 24, "max_new_tokens": 64, "batch_size": 24},
         "dataset": {"max_seq_len": 512},
-        "vocab": {"draft_vocab_size": 4096},
+        "vocab": {"draft_vocab_size": 2048},
         "train": {"epochs": 3, "lr": 1e-3, "total_seq_len": 1024},
-        "evaluate": {"num_prompts": 4, "max_new_tokens": 48, "ks": [3, 5]},
+        "evaluate": {"num_prompts": 3, "max_new_tokens": 32, "ks": [3, 5]},
     },
     "full": {
-        "regenerate": {"max_records": 2000, "max_new_tokens": 256, "batch_size": 256},
+        "regenerate": {"max_records": 2000, "max_new_tokens": 256, "batch_size": 500},
         "dataset": {"max_seq_len": 1024},
         "vocab": {"draft_vocab_size": 16384},
         "train": {"epochs": 10, "lr": 1e-3, "total_seq_len": 8192},
-        "evaluate": {"num_prompts": 30, "max_new_tokens": 96, "ks": [3, 5]},
+        "evaluate": {"num_prompts": 8, "max_new_tokens": 64, "ks": [3, 5]},
     },
 }
 EVAL_SETS = {"mt_bench": "mt_bench_questions.jsonl", "gsm8k": "gsm8k_test_dev.jsonl"}
@@ -65,6 +65,8 @@ def main() -> None:
     parser.add_argument("--data", type=Path, required=True, help="directory with the three JSONL files")
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--store", type=Path, default=Path("bench-quality-store"), help="artifact store (reused across runs)")
+    parser.add_argument("--eval-sets", nargs="+", choices=sorted(EVAL_SETS), default=list(EVAL_SETS),
+                        help="evaluate on these (a later run with the same store reuses every other step)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
@@ -72,7 +74,8 @@ def main() -> None:
 
     store = args.store.resolve()
     rows, manifests = {}, {}
-    for name, file in EVAL_SETS.items():
+    for name in args.eval_sets:
+        file = EVAL_SETS[name]
         result = train_eagle3_draft(config(args.size, args.data.resolve(), store, file))
         evaluation = result.evaluation
         manifests = manifests or _latest_run_manifests(store)  # the first run: it computed the shared steps

@@ -219,6 +219,12 @@ class EvalConfig(_ServerCapableGroup):
         "the verifier with this draft (`--speculative-config`) and nothing else meanwhile.",
     )
     endpoint: EndpointConfig = Field(EndpointConfig(), description="The vLLM server, for backend 'vllm'.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Precision of the verifier and draft while measuring (transformers backend). float32 keeps the "
+        "check against plain greedy decoding exact; in bfloat16 a k-token verification pass and one-token passes "
+        "round differently, so outputs drift apart (half the memory, for verifiers that do not fit in float32).",
+    )
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.", json_schema_extra=_NO_KEY)
 
 

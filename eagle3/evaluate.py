@@ -81,7 +81,7 @@ def read_prompts(path: Path, limit: int) -> list[str]:
     return prompts
 
 
-def load_draft(checkpoint: Path, verifier_path: Path, device: torch.device):
+def load_draft(checkpoint: Path, verifier_path: Path, device: torch.device, dtype: torch.dtype = torch.float32):
     """The exported draft, with its verifier weights read from the local verifier directory."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
@@ -89,7 +89,6 @@ def load_draft(checkpoint: Path, verifier_path: Path, device: torch.device):
     config.speculators_config.verifier.name_or_path = str(verifier_path)
     config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001  (not serialized)
     model = Eagle3DraftModel.from_pretrained(checkpoint, config=config)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return model.to(device, dtype).eval()
 
 
@@ -121,9 +120,10 @@ def _measure_by_own_decoding(
 ) -> _Measured:
     device = resolve_device(cfg.device)
     tokenizer = load_tokenizer(verifier.path)
-    model = load_text_model(verifier.path, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    dtype = getattr(torch, cfg.dtype)
+    model = load_text_model(verifier.path, dtype, device)
     capture = HiddenStateCapture(model.get_decoder(), hidden_states.aux_layer_ids)
-    draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, device))
+    draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, device, dtype))
     eos_ids = {tokenizer.eos_token_id, *([model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int) else model.generation_config.eos_token_id or [])} - {None}
 
     prompts = [

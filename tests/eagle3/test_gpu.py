@@ -9,13 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SAMPLE
+from conftest import SAMPLE, write_jsonl
 from tiny_models import tiny_llama
-from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
+from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig
 from eagle3.evaluate import load_draft
 from eagle3.export import export_checkpoint
 from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_states, hidden_state_files
 from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
+from eagle3.regenerate import regenerate
 from eagle3.speculative import Eagle3Proposer, greedy_decode, speculative_decode
 from eagle3.store import ArtifactStore, Provenance
 from eagle3.train import train_draft
@@ -44,6 +45,17 @@ def test_gpu_extraction_in_a_child_process_matches_cpu(steps, tmp_path):
     a, b = hidden_state_files(gpu), hidden_state_files(cpu)
     for i in a:
         torch.testing.assert_close(load_file(a[i])["hidden_states"].float(), load_file(b[i])["hidden_states"].float(), atol=0.1, rtol=0.05)
+
+
+def test_gpu_regeneration_runs_in_a_child_process_and_reports_memory(steps, tmp_path):
+    store, verifier, _ = steps
+    source = write_jsonl(tmp_path / "prompts.jsonl", [{"id": str(i), "prompt": f"Count to {i}."} for i in range(6)])
+
+    manifest = regenerate(RegenerateConfig(enabled=True, max_new_tokens=16, batch_size=4, device="cuda"), source, verifier,
+                          store, Provenance(config={"r": "gpu"}), gpus=["0"])
+
+    assert manifest.num_records + len(manifest.failed) == 6 and manifest.backoffs == []
+    assert set(manifest.gpu_memory_after_mib) == {"0"}
 
 
 def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_and_decodes(steps):

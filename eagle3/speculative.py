@@ -75,15 +75,18 @@ class Eagle3Proposer:
         self.aux.append(aux_states)
 
     def _layers(self, hidden, mask, position_ids, cache):
+        """The draft's layers over `hidden`; returns the last position's output state and logits
+        (only the last position is drafted from, so only it goes through the vocabulary head)."""
         draft = self.draft
         position_embeddings = draft.rotary_emb(hidden, position_ids)
         for layer in draft.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                            position_embeddings=position_embeddings)
+        last = hidden[:, -1:]
         if draft.config.norm_output:
-            hidden = draft.norm(hidden)
-            return hidden, draft.lm_head(hidden)
-        return hidden, draft.lm_head(draft.norm(hidden))
+            last = draft.norm(last)
+            return last, draft.lm_head(last)
+        return last, draft.lm_head(draft.norm(last))
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int) -> list[int]:
@@ -100,9 +103,8 @@ class Eagle3Proposer:
         position_ids = torch.arange(1, n + 1, device=features.device).unsqueeze(0)
         causal = torch.full((n, n), float("-inf"), device=features.device, dtype=features.dtype).triu(1)
         cache = DynamicCache()
-        out, logits = self._layers(hidden, causal[None, None], position_ids, cache)
+        last_hidden, last_logits = self._layers(hidden, causal[None, None], position_ids, cache)
         proposal = []
-        last_hidden, last_logits = out[:, -1:], logits[:, -1:]
         for step in range(k):
             draft_id = int(last_logits.argmax(-1))
             token = draft_id + int(draft.d2t[draft_id])

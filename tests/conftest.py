@@ -20,6 +20,12 @@ from tiny_models import tiny_llama, tiny_llava  # noqa: E402
 SAMPLE = Path(__file__).resolve().parents[1] / "eagle3" / "data" / "sample_conversations.jsonl"
 
 
+def pytest_collection_modifyitems(items):
+    """Tests of the `vllm` marker run last: the session's one vLLM server (1.7 GB, its own engine
+    processes) then starts once the rest is done and shares the CPUs with nothing heavier."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+
+
 @pytest.fixture(scope="session")
 def tiny_verifier(tmp_path_factory) -> Path:
     """A 4-layer, hidden-64 random Llama with a ChatML byte-level tokenizer (vocab 1024)."""

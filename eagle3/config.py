@@ -179,6 +179,11 @@ class TrainConfig(_Group):
     total_seq_len: int = Field(2048, ge=16, description="Tokens packed into one training batch.")
     train_data_ratio: float = Field(0.9, gt=0, lt=1, description="Share of records trained on; the rest validates.")
     seed: int = Field(0, description="Seed for initialisation and batch order.")
+    init_from: Literal["scratch", "previous"] = Field(
+        "scratch",
+        description="scratch: fresh draft weights; previous: continue from the latest draft trained for the same "
+        "verifier and draft shape on a different dataset (scheduled retraining on grown data), or from scratch if none.",
+    )
     min_total_seq_len: int = Field(
         256, ge=16, description="Out-of-memory back-off halves total_seq_len down to this, then fails.", json_schema_extra=_NO_KEY
     )

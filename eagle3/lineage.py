@@ -32,13 +32,14 @@ def find_artifact(store: ArtifactStore, prefix: str) -> str:
     return matches[0]
 
 
-def lineage(store: ArtifactStore, digests: list[str]) -> dict[str, dict]:
+def lineage(store: ArtifactStore, digests: list[str], leaf_edges: frozenset[str] = frozenset()) -> dict[str, dict]:
     """digest -> manifest (as a dict) for the given artifacts and all their ancestors in the store;
-    inputs that are not artifacts appear as {"kind": "input", "name": ...}."""
+    inputs that are not artifacts appear as {"kind": "input", "name": ...}. A parent reached through
+    an edge named in `leaf_edges` is included without its own ancestors."""
     nodes: dict[str, dict] = {}
-    stack = [(d, "artifact") for d in digests]
+    stack = [(d, "artifact", True) for d in digests]
     while stack:
-        digest, name = stack.pop()
+        digest, name, follow = stack.pop()
         if digest in nodes:
             continue
         path = store.artifact_dir(digest) / MANIFEST
@@ -47,7 +48,8 @@ def lineage(store: ArtifactStore, digests: list[str]) -> dict[str, dict]:
             continue
         manifest = json.loads(path.read_text())
         nodes[digest] = manifest
-        stack.extend((parent, parent_name) for parent_name, parent in manifest.get("parents", {}).items())
+        if follow:
+            stack.extend((parent, edge, edge not in leaf_edges) for edge, parent in manifest.get("parents", {}).items())
     return nodes
 
 

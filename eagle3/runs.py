@@ -18,8 +18,10 @@ __all__ = ["lineage_roots", "record_run", "run_records"]
 
 
 def record_run(store: ArtifactStore, run_id: str, roots: list[str]) -> Path:
-    """Record what a finished run reached: its roots, their ancestors and their shards."""
-    nodes = lineage(store, roots)
+    """Record what a finished run reached: its roots, their ancestors and their shards. A draft
+    warm-started from an earlier one keeps that draft but not its ancestry (its data and hidden
+    states), so a chain of scheduled retrainings does not keep every dataset it ever saw."""
+    nodes = lineage(store, roots, leaf_edges=frozenset({"init"}))
     artifacts = sorted(d for d, n in nodes.items() if n["kind"] != "input")
     shards = sorted(s["key"] for n in nodes.values() if n["kind"] == "hidden_states" for s in n["shards"])
     path = store.root / "runs" / f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{run_id}.json"

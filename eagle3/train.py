@@ -27,25 +27,26 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from pydantic import Field
 
-from eagle3 import train_worker, trainer_compat
+from eagle3 import train_worker, trainer_compat, warm_start
 from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest, hidden_state_files, resolve_device
 from eagle3.isolation import gpu_memory_used_mib
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
-from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
+from eagle3.store import MANIFEST, ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.train_worker import TrainSpec, report_step, train_attempt
 from eagle3.training_curves import render_training_curves
 from eagle3.verifier import VerifierManifest
 from eagle3.vocab_mapping import VocabManifest
 
-__all__ = ["DraftManifest", "simulated_acceptance_length", "train_draft"]
+__all__ = ["DraftManifest", "previous_draft", "simulated_acceptance_length", "train_draft"]
 
 logger = logging.getLogger(__name__)
-CODE_DEPENDENCIES = (train_worker, trainer_compat)
+CODE_DEPENDENCIES = (train_worker, trainer_compat, warm_start)
 
 
 class DraftManifest(ArtifactManifest):
@@ -59,6 +60,9 @@ class DraftManifest(ArtifactManifest):
         None, description="memory in use on each claimed GPU once the training processes exited"
     )
     curves: str = "training_curves.png"
+    aux_layer_ids: list[int] | None = Field(None, description="verifier layers the draft reads (what a warm start must match)")
+    init_from: str | None = Field(None, description="digest of the draft whose weights training started from; None: scratch")
+    finished_at: datetime | None = Field(None, description="when training finished (the latest is the next warm start)")
     tokens_per_s: float | None = Field(
         None, description="median training tokens per second per GPU over the steps (speculators' step timer)"
     )
@@ -67,6 +71,27 @@ class DraftManifest(ArtifactManifest):
 def simulated_acceptance_length(cond_acc: list[float]) -> float:
     """Expected tokens per verifier pass for a chain draft: 1 + sum_j prod_{i<=j} cond_acc_i."""
     return 1.0 + sum(math.prod(cond_acc[: j + 1]) for j in range(len(cond_acc)))
+
+
+def previous_draft(
+    store: ArtifactStore, cfg: TrainConfig, verifier: VerifierManifest, hidden_states: HiddenStatesManifest, dataset: DatasetManifest
+) -> DraftManifest | None:
+    """The latest finished draft trained for this verifier, aux layers and `cfg.num_layers` on a
+    dataset other than `dataset`; None when the store holds none."""
+    candidates = []
+    for path in (store.root / "artifacts").glob(f"*/{MANIFEST}"):
+        record = json.loads(path.read_text())
+        if record.get("kind") != "draft" or record.get("finished_at") is None:
+            continue  # another kind, or a draft from before drafts recorded when they finished
+        draft = DraftManifest.model_validate(record)
+        if (
+            draft.parents.get("verifier") == verifier.digest
+            and draft.aux_layer_ids == hidden_states.aux_layer_ids
+            and draft.config["cfg"]["num_layers"] == cfg.num_layers
+            and draft.parents.get("dataset") != dataset.digest
+        ):
+            candidates.append(draft)
+    return max(candidates, key=lambda d: d.finished_at, default=None)
 
 
 def _speculators_data_dir(root: Path, dataset: DatasetManifest, hidden_states: HiddenStatesManifest) -> Path:
@@ -172,9 +197,11 @@ def train_draft(
     provenance: Provenance,
     on_step=None,
     gpus: list[str] | None = None,
+    init: DraftManifest | None = None,
 ) -> DraftManifest:
     """Train an EAGLE-3 draft; resumes from the last epoch checkpoint of an interrupted run.
 
+    `init`: an earlier draft whose trainable weights training starts from (None: fresh weights).
     `gpus`: claimed CUDA devices; training then runs under torchrun, one process per device
     (None: in this process on `cfg.device`). On out-of-memory, relaunches from the last
     checkpoint with half the `total_seq_len`, down to `cfg.min_total_seq_len`.
@@ -187,6 +214,7 @@ def train_draft(
         cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=hidden_states.aux_layer_ids,
         hidden_size=hidden_states.hidden_size, vocab=vocab, total_seq_len=cfg.total_seq_len,
         device="cuda" if gpus else str(resolve_device(cfg.device)),
+        init_checkpoint=init.path / init.checkpoint if init else None,
     )
     backoffs: list[dict] = []
     while (oom := _torchrun(spec, gpus, on_step) if gpus else _in_process(spec, on_step)) is not None:
@@ -219,6 +247,9 @@ def train_draft(
             epochs=epochs,
             num_steps=sum(1 for r in history if "train" in r),
             tau_sim=epochs[-1]["tau_sim"],
+            aux_layer_ids=hidden_states.aux_layer_ids,
+            init_from=init.digest if init else None,
+            finished_at=datetime.now(timezone.utc),
             backoffs=backoffs,
             gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
             tokens_per_s=_median_tokens_per_s(spec.profile_log),

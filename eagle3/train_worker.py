@@ -26,6 +26,7 @@ from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import FAULT_OOM_ENV
 from eagle3.store import atomic_write_text
 from eagle3.vocab_mapping import VocabManifest, load_vocab_mapping
+from eagle3.warm_start import warm_start
 
 __all__ = ["FAULT_OOM_ENV", "OOM_EXIT", "TrainSpec", "report_step", "speculators_train_config", "train_attempt"]
 
@@ -43,6 +44,7 @@ class TrainSpec(BaseModel):
     vocab: VocabManifest
     total_seq_len: int
     device: str
+    init_checkpoint: Path | None = None
 
     @property
     def metrics_log(self) -> Path:
@@ -180,6 +182,8 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
     )
     flat["mask_token_id"] = resolve_mask_token_id(verifier_path, layer_config.vocab_size, None)
     model = Eagle3DraftModel.from_training_args(verifier_config=layer_config, t2d=t2d, d2t=d2t, **flat)
+    if spec.init_checkpoint is not None:  # a resumed attempt's own checkpoint replaces these weights
+        warm_start(model, spec.init_checkpoint)
     if os.environ.get(FAULT_OOM_ENV):
         _fault_oom_above(model, int(os.environ[FAULT_OOM_ENV]))
 

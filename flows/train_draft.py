@@ -23,7 +23,7 @@ from tasks.lineage import publish_lineage_task
 from tasks.prepare import prepare_dataset_task
 from tasks.promote import promote_task
 from tasks.regenerate import regenerate_task
-from tasks.train import train_draft_task
+from tasks.train import previous_draft_task, train_draft_task
 from tasks.verifier import resolve_verifier_task
 from tasks.vocab import build_vocab_mapping_task
 
@@ -49,7 +49,10 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
         dataset = prepare_dataset_task(store, config.dataset, source, verifier)
         hidden_states = extract_hidden_states_task(store, config.extract, dataset, verifier)
         vocab = build_vocab_mapping_task(store, config.vocab, dataset, verifier)
-        draft = train_draft_task(store, config.train, dataset, hidden_states, vocab, verifier)
+        init = None
+        if config.train.init_from == "previous":
+            init = previous_draft_task(store, config.train, verifier, hidden_states, dataset)
+        draft = train_draft_task(store, config.train, dataset, hidden_states, vocab, verifier, init)
         checkpoint = export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
         evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, eval_prompts_source(config.evaluate))
         promotion = promote_task(store, config.promotion, evaluation)

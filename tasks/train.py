@@ -1,12 +1,13 @@
 from __future__ import annotations
 
-from prefect import task
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from eagle3 import train as step
 from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest
 from eagle3.prepare_dataset import DatasetManifest
-from eagle3.store import step_provenance
+from eagle3.store import ArtifactStore, step_provenance
 from eagle3.verifier import VerifierManifest
 from eagle3.vocab_mapping import VocabManifest
 from tasks.cache import step_cache_policy
@@ -23,13 +24,36 @@ def train_draft_task(
     hidden_states: HiddenStatesManifest,
     vocab: VocabManifest,
     verifier: VerifierManifest,
+    init: step.DraftManifest | None = None,
 ) -> step.DraftManifest:
     store = run_store(store_dir)
-    provenance = step_provenance(step, store, cfg=cfg, dataset=dataset, hidden_states=hidden_states, vocab=vocab, verifier=verifier)
+    provenance = step_provenance(
+        step, store, cfg=cfg, dataset=dataset, hidden_states=hidden_states, vocab=vocab, verifier=verifier, init=init
+    )
     with claim_gpus(cfg.device, cfg.num_gpus) as gpus:
         manifest = step.train_draft(
-            cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)"), gpus=gpus
+            cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)"), gpus=gpus, init=init
         )
     publish_step_report(manifest, manifest.model_dump(include={"num_steps", "tau_sim", "tokens_per_s", "backoffs", "gpu_memory_after_mib"}))
     publish_image("training-curves", manifest.path / manifest.curves, "training curves: loss and acceptance per TTT step")
     return manifest
+
+
+@task(name="find-previous-draft", cache_policy=NO_CACHE)
+def previous_draft_task(
+    store_dir: str, cfg: TrainConfig, verifier: VerifierManifest, hidden_states: HiddenStatesManifest, dataset: DatasetManifest
+) -> step.DraftManifest | None:
+    """The draft `train.init_from=previous` continues from, looked up afresh on every run; its
+    digest is part of the training step's cache key."""
+    draft = step.previous_draft(ArtifactStore(store_dir), cfg, verifier, hidden_states, dataset)
+    if draft is None:
+        get_run_logger().warning(
+            "train.init_from=previous: the store holds no draft for this verifier, aux layers and num_layers "
+            "trained on another dataset; training from scratch"
+        )
+    else:
+        get_run_logger().info(
+            "continuing from draft %s (dataset %s, finished %s, tau_sim %.3f)",
+            draft.digest[:12], draft.parents["dataset"][:12], draft.finished_at, draft.tau_sim,
+        )
+    return draft

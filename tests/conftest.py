@@ -60,6 +60,21 @@ def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str
     return store.publish(work, (manifest_type or ArtifactManifest)(kind=kind, path=work, parents=parents, **fields))
 
 
+def publish_evaluation(store, name: str, taus: dict[int, float], verifier="a" * 64, prompts="b" * 64, max_new_tokens=64, num_prompts=4):
+    """Checkpoint `name` and an evaluation of it in `store`, shaped as the evaluate step publishes them."""
+    from eagle3.evaluate import EvalManifest
+
+    checkpoint = publish_text_artifact(store, "checkpoint", name, {"draft": "d" * 64})
+    settings = {"prompts_path": None, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "ks": list(taus)}
+    results = [{"method": method, "k": k, "tau": tau if method == "eagle3" else 1.2} for method in ("eagle3", "ngram") for k, tau in taus.items()]
+    return publish_text_artifact(
+        store, "evaluation", json.dumps([name, settings, results]),
+        {"checkpoint": checkpoint.digest, "hidden_states": "e" * 64, "verifier": verifier, "prompts": prompts},
+        manifest_type=EvalManifest, config={"cfg": settings}, num_prompts=num_prompts, num_tokens=num_prompts * max_new_tokens,
+        tau_sim=2.5, results=results, greedy_tokens_per_s=100.0, mismatches=0,
+    )
+
+
 def wait_for_http(url: str, server: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
     """Poll `url` until it answers; raise with the log's tail if `server` exits or time runs out."""
     deadline = time.time() + timeout_s

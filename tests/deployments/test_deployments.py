@@ -14,7 +14,9 @@ def test_both_deployments_register_on_the_process_pool(deployments):
     assert {d.work_pool_name for d in deployments.values()} == {"eagle3"}
     [schedule] = deployments["scheduled-retrain"].schedules
     assert schedule.schedule.cron == "0 3 * * 1" and schedule.active
-    assert deployments["scheduled-retrain"].parameters["config"]["dataset"]["path"] == "data/retrain/conversations.jsonl"
+    retrain = deployments["scheduled-retrain"].parameters["config"]
+    assert retrain["dataset"]["path"] == "data/retrain/conversations.jsonl"
+    assert retrain["train"]["init_from"] == "previous"
 
 
 def test_the_form_schema_carries_descriptions_defaults_and_bounds(deployments):
@@ -24,6 +26,7 @@ def test_the_form_schema_carries_descriptions_defaults_and_bounds(deployments):
     assert train["lr"]["exclusiveMinimum"] == 0 and train["lr"]["default"] == 3e-4
     assert "learning rate" in train["lr"]["description"]
     assert train["loss_fn"]["enum"] == ["kl_div", "ce", "tv"]
+    assert train["init_from"]["enum"] == ["scratch", "previous"] and train["init_from"]["default"] == "scratch"
 
 
 def test_the_server_rejects_invalid_parameters_before_a_run_starts(deployments):

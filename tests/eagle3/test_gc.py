@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import publish_text_artifact
+from conftest import publish_evaluation, publish_text_artifact
 from eagle3.gc import collect_garbage, store_in_use
 from eagle3.runs import record_run
 from eagle3.store import ArtifactError, ArtifactStore
@@ -49,3 +49,36 @@ def test_gc_without_any_recorded_run_removes_nothing(tmp_path):
     with pytest.raises(ArtifactError, match="no finished run is recorded"):
         collect_garbage(store, keep_runs=1)
     assert kept.path.exists()
+
+
+def test_gc_keeps_the_draft_a_kept_run_warm_started_from_but_not_its_ancestry(tmp_path):
+    store = ArtifactStore(tmp_path)
+    old_data = publish_text_artifact(store, "dataset", "week 1", {})
+    old_draft = publish_text_artifact(store, "draft", "week 1 draft", {"dataset": old_data.digest})
+    new_data = publish_text_artifact(store, "dataset", "week 2", {})
+    new_draft = publish_text_artifact(store, "draft", "week 2 draft", {"dataset": new_data.digest, "init": old_draft.digest})
+    record_run(store, "run-1", [old_draft.digest])
+    record_run(store, "run-2", [new_draft.digest])
+
+    collect_garbage(store, keep_runs=1)
+
+    assert new_draft.path.exists() and new_data.path.exists() and old_draft.path.exists()
+    assert not old_data.path.exists()
+
+
+def test_gc_keeps_the_best_promoted_checkpoint_and_its_evaluation_however_old(tmp_path):
+    from eagle3.config import PromotionConfig
+    from eagle3.promotion import promote
+
+    store = ArtifactStore(tmp_path)
+    best = publish_evaluation(store, "best", {3: 2.0})
+    worse = publish_evaluation(store, "worse", {3: 1.5})
+    promote(PromotionConfig(), best, store, "run-1")
+    promote(PromotionConfig(), worse, store, "run-2")
+    record_run(store, "run-1", [best.digest])
+    record_run(store, "run-2", [worse.digest])
+
+    collect_garbage(store, keep_runs=1)
+
+    assert best.path.exists() and store.artifact_dir(best.parents["checkpoint"]).exists()
+    assert worse.path.exists()

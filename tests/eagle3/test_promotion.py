@@ -4,34 +4,18 @@ import json
 
 import pytest
 
-from conftest import publish_text_artifact
+from conftest import publish_evaluation, publish_text_artifact
 from eagle3.cli import main
 from eagle3.config import ConfigError, PromotionConfig
-from eagle3.evaluate import EvalManifest
 from eagle3.promotion import promote, promoted_checkpoints, read_promotions
 from eagle3.store import ArtifactError, ArtifactStore
 
-VERIFIER = "a" * 64
-PROMPTS = "b" * 64
 DEFAULT = PromotionConfig()
-
-
-def _evaluation(store, name: str, taus: dict[int, float], verifier=VERIFIER, prompts=PROMPTS, max_new_tokens=64, num_prompts=4):
-    """Checkpoint `name` and an evaluation of it in `store`, shaped as the evaluate step publishes them."""
-    checkpoint = publish_text_artifact(store, "checkpoint", name, {"draft": "d" * 64})
-    settings = {"prompts_path": None, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "ks": list(taus)}
-    results = [{"method": method, "k": k, "tau": tau if method == "eagle3" else 1.2} for method in ("eagle3", "ngram") for k, tau in taus.items()]
-    return publish_text_artifact(
-        store, "evaluation", json.dumps([name, settings, results]),
-        {"checkpoint": checkpoint.digest, "hidden_states": "e" * 64, "verifier": verifier, "prompts": prompts},
-        manifest_type=EvalManifest, config={"cfg": settings}, num_prompts=num_prompts, num_tokens=num_prompts * max_new_tokens,
-        tau_sim=2.5, results=results, greedy_tokens_per_s=100.0, mismatches=0,
-    )
 
 
 def test_first_checkpoint_is_promoted_and_recorded_in_the_store(tmp_path):
     store = ArtifactStore(tmp_path)
-    evaluation = _evaluation(store, "first", {3: 2.0})
+    evaluation = publish_evaluation(store, "first", {3: 2.0})
 
     record = promote(DEFAULT, evaluation, store, "run-1")
 
@@ -44,9 +28,9 @@ def test_first_checkpoint_is_promoted_and_recorded_in_the_store(tmp_path):
 
 def test_worse_checkpoint_is_not_promoted(tmp_path):
     store = ArtifactStore(tmp_path)
-    best = promote(DEFAULT, _evaluation(store, "good", {3: 2.0}), store, "run-1")
+    best = promote(DEFAULT, publish_evaluation(store, "good", {3: 2.0}), store, "run-1")
 
-    record = promote(DEFAULT, _evaluation(store, "worse", {3: 1.8}), store, "run-2")
+    record = promote(DEFAULT, publish_evaluation(store, "worse", {3: 1.8}), store, "run-2")
 
     assert not record.promoted
     assert (record.best_earlier_checkpoint, record.best_earlier_tau, record.best_earlier_run_id) == (best.checkpoint, 2.0, "run-1")
@@ -55,10 +39,10 @@ def test_worse_checkpoint_is_not_promoted(tmp_path):
 
 def test_better_checkpoint_is_promoted_and_becomes_the_bar(tmp_path):
     store = ArtifactStore(tmp_path)
-    promote(DEFAULT, _evaluation(store, "first", {3: 2.0}), store, "run-1")
+    promote(DEFAULT, publish_evaluation(store, "first", {3: 2.0}), store, "run-1")
 
-    better = promote(DEFAULT, _evaluation(store, "better", {3: 2.5}), store, "run-2")
-    between = promote(DEFAULT, _evaluation(store, "between", {3: 2.3}), store, "run-3")
+    better = promote(DEFAULT, publish_evaluation(store, "better", {3: 2.5}), store, "run-2")
+    between = promote(DEFAULT, publish_evaluation(store, "between", {3: 2.3}), store, "run-3")
 
     assert better.promoted and better.best_earlier_tau == 2.0
     assert not between.promoted and between.best_earlier_checkpoint == better.checkpoint
@@ -68,10 +52,10 @@ def test_better_checkpoint_is_promoted_and_becomes_the_bar(tmp_path):
 def test_improvement_within_the_margin_is_not_promoted(tmp_path):
     store = ArtifactStore(tmp_path)
     margin = PromotionConfig(min_improvement=0.1)
-    promote(margin, _evaluation(store, "first", {3: 2.0}), store, "run-1")
+    promote(margin, publish_evaluation(store, "first", {3: 2.0}), store, "run-1")
 
-    slightly = promote(margin, _evaluation(store, "slightly-better", {3: 2.05}), store, "run-2")
-    clearly = promote(margin, _evaluation(store, "clearly-better", {3: 2.2}), store, "run-3")
+    slightly = promote(margin, publish_evaluation(store, "slightly-better", {3: 2.05}), store, "run-2")
+    clearly = promote(margin, publish_evaluation(store, "clearly-better", {3: 2.2}), store, "run-3")
 
     assert not slightly.promoted and clearly.promoted
     assert clearly.best_earlier_tau == 2.0  # the unpromoted 2.05 is not the bar
@@ -82,9 +66,9 @@ def test_improvement_within_the_margin_is_not_promoted(tmp_path):
 ], ids=["verifier", "prompts", "max_new_tokens", "num_prompts"])
 def test_evaluations_on_another_verifier_or_eval_set_are_not_compared(tmp_path, change):
     store = ArtifactStore(tmp_path)
-    promote(DEFAULT, _evaluation(store, "strong", {3: 3.0}), store, "run-1")
+    promote(DEFAULT, publish_evaluation(store, "strong", {3: 3.0}), store, "run-1")
 
-    record = promote(DEFAULT, _evaluation(store, "weak", {3: 1.5}, **change), store, "run-2")
+    record = promote(DEFAULT, publish_evaluation(store, "weak", {3: 1.5}, **change), store, "run-2")
 
     assert record.promoted and record.best_earlier_tau is None
     assert len(promoted_checkpoints(store)) == 2
@@ -92,23 +76,23 @@ def test_evaluations_on_another_verifier_or_eval_set_are_not_compared(tmp_path, 
 
 def test_default_k_is_the_first_evaluated_and_k_is_part_of_the_comparison(tmp_path):
     store = ArtifactStore(tmp_path)
-    promote(DEFAULT, _evaluation(store, "first", {3: 2.0, 5: 2.6}), store, "run-1")
-    second = _evaluation(store, "second", {3: 2.2, 5: 2.4})
+    promote(DEFAULT, publish_evaluation(store, "first", {3: 2.0, 5: 2.6}), store, "run-1")
+    second = publish_evaluation(store, "second", {3: 2.2, 5: 2.4})
 
     at_default = promote(DEFAULT, second, store, "run-2")
     at_5 = promote(PromotionConfig(k=5), second, store, "run-3")
 
     assert at_default.key.k == 3 and at_default.promoted and at_default.best_earlier_tau == 2.0
     assert at_5.key.k == 5 and at_5.promoted and at_5.best_earlier_tau is None
-    assert not promote(PromotionConfig(k=5), _evaluation(store, "third", {3: 9.0, 5: 2.3}), store, "run-4").promoted
+    assert not promote(PromotionConfig(k=5), publish_evaluation(store, "third", {3: 9.0, 5: 2.3}), store, "run-4").promoted
 
 
 def test_rerun_of_the_best_checkpoint_stays_promoted(tmp_path):
     store = ArtifactStore(tmp_path)
-    promote(DEFAULT, _evaluation(store, "first", {3: 2.0}), store, "run-1")
-    best = promote(DEFAULT, _evaluation(store, "best", {3: 2.5}), store, "run-2")
+    promote(DEFAULT, publish_evaluation(store, "first", {3: 2.0}), store, "run-1")
+    best = promote(DEFAULT, publish_evaluation(store, "best", {3: 2.5}), store, "run-2")
 
-    again = promote(DEFAULT, _evaluation(store, "best", {3: 2.5}), store, "run-3")
+    again = promote(DEFAULT, publish_evaluation(store, "best", {3: 2.5}), store, "run-3")
 
     assert again.promoted and again.checkpoint == best.checkpoint
     assert again.best_earlier_tau == 2.0  # compared with the earlier champion, not with itself
@@ -117,19 +101,19 @@ def test_rerun_of_the_best_checkpoint_stays_promoted(tmp_path):
 
 def test_rerun_of_the_only_checkpoint_stays_promoted(tmp_path):
     store = ArtifactStore(tmp_path)
-    promote(DEFAULT, _evaluation(store, "only", {3: 2.0}), store, "run-1")
+    promote(DEFAULT, publish_evaluation(store, "only", {3: 2.0}), store, "run-1")
 
-    again = promote(DEFAULT, _evaluation(store, "only", {3: 2.0}), store, "run-2")
+    again = promote(DEFAULT, publish_evaluation(store, "only", {3: 2.0}), store, "run-2")
 
     assert again.promoted and again.best_earlier_tau is None
 
 
 def test_rerun_of_a_superseded_checkpoint_is_not_promoted(tmp_path):
     store = ArtifactStore(tmp_path)
-    promote(DEFAULT, _evaluation(store, "old", {3: 2.0}), store, "run-1")
-    newer = promote(DEFAULT, _evaluation(store, "newer", {3: 2.5}), store, "run-2")
+    promote(DEFAULT, publish_evaluation(store, "old", {3: 2.0}), store, "run-1")
+    newer = promote(DEFAULT, publish_evaluation(store, "newer", {3: 2.5}), store, "run-2")
 
-    again = promote(DEFAULT, _evaluation(store, "old", {3: 2.0}), store, "run-3")
+    again = promote(DEFAULT, publish_evaluation(store, "old", {3: 2.0}), store, "run-3")
 
     assert not again.promoted and again.best_earlier_checkpoint == newer.checkpoint
 
@@ -138,12 +122,12 @@ def test_k_the_evaluation_did_not_measure_is_a_config_error(tmp_path):
     store = ArtifactStore(tmp_path)
 
     with pytest.raises(ConfigError, match=r"promotion.k=7: .*manifest.json measured EAGLE-3 tau only at k in \[3, 5\]"):
-        promote(PromotionConfig(k=7), _evaluation(store, "x", {3: 2.0, 5: 2.5}), store, "run-1")
+        promote(PromotionConfig(k=7), publish_evaluation(store, "x", {3: 2.0, 5: 2.5}), store, "run-1")
 
 
 def test_evaluation_without_its_inputs_names_the_missing_fields(tmp_path):
     store = ArtifactStore(tmp_path)
-    evaluation = _evaluation(store, "x", {3: 2.0})
+    evaluation = publish_evaluation(store, "x", {3: 2.0})
     stripped = evaluation.model_copy(update={"parents": {"checkpoint": "c" * 64}, "config": {}})
 
     with pytest.raises(ArtifactError, match=r"manifest.json: no field parents.verifier, parents.prompts, config.cfg.max_new_tokens"):
@@ -152,7 +136,7 @@ def test_evaluation_without_its_inputs_names_the_missing_fields(tmp_path):
 
 def test_corrupt_record_names_the_file_and_field(tmp_path):
     store = ArtifactStore(tmp_path)
-    record = promote(DEFAULT, _evaluation(store, "x", {3: 2.0}), store, "run-1")
+    record = promote(DEFAULT, publish_evaluation(store, "x", {3: 2.0}), store, "run-1")
     [path] = (store.root / "promotions").glob("*.json")
     path.write_text(json.dumps({**json.loads(record.model_dump_json()), "tau": "high"}))
 
@@ -162,9 +146,9 @@ def test_corrupt_record_names_the_file_and_field(tmp_path):
 
 def test_eagle3_promoted_prints_the_best_checkpoint_per_eval_set(tmp_path, capsys):
     store = ArtifactStore(tmp_path)
-    promote(DEFAULT, _evaluation(store, "first", {3: 2.0}), store, "run-1")
-    best = promote(DEFAULT, _evaluation(store, "better", {3: 2.5}), store, "run-2")
-    other = promote(DEFAULT, _evaluation(store, "elsewhere", {3: 1.5}, prompts="f" * 64), store, "run-3")
+    promote(DEFAULT, publish_evaluation(store, "first", {3: 2.0}), store, "run-1")
+    best = promote(DEFAULT, publish_evaluation(store, "better", {3: 2.5}), store, "run-2")
+    other = promote(DEFAULT, publish_evaluation(store, "elsewhere", {3: 1.5}, prompts="f" * 64), store, "run-3")
 
     assert main(["promoted", "--store", str(tmp_path)]) == 0
 

@@ -16,7 +16,7 @@ from eagle3.export import export_checkpoint, validate_checkpoint
 from eagle3.extract_hidden_states import FAULT_OOM_ENV, extract_hidden_states
 from eagle3.prepare_dataset import prepare_dataset
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
-from eagle3.train import _speculators_data_dir, simulated_acceptance_length, train_draft
+from eagle3.train import _speculators_data_dir, previous_draft, simulated_acceptance_length, train_draft
 from eagle3.train_worker import OOM_EXIT, TrainSpec
 from eagle3.verifier import load_tokenizer, resolve_verifier
 from eagle3.vocab_mapping import build_vocab_mapping
@@ -147,6 +147,44 @@ def test_the_worker_process_trains_and_reports_out_of_memory_by_exit_code(inputs
     assert (tmp_path / "checkpoints" / "0" / "model.safetensors").exists()
     total = json.loads((tmp_path / "plan.json").read_text())["total_steps"]
     assert sum("train" in json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()) == total
+
+
+def test_warm_start_continues_from_the_earlier_drafts_weights(inputs, draft):
+    store, verifier, dataset, hidden, vocab = inputs
+
+    warm = train_draft(TRAIN.model_copy(update={"epochs": 1}), dataset, hidden, vocab, verifier, store,
+                       Provenance(config={"run": "warm"}), init=draft)
+
+    assert warm.init_from == draft.digest and draft.init_from is None
+    # It starts where three epochs ended: one epoch in, it validates better than a first epoch from scratch.
+    assert warm.epochs[0]["val_loss"] < draft.epochs[0]["val_loss"]
+
+
+def test_warm_start_from_a_draft_of_another_shape_names_the_file_and_weight(inputs, draft, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    store, verifier, dataset, hidden, vocab = inputs
+    (tmp_path / "checkpoint").mkdir()
+    weights = load_file(draft.path / "checkpoint" / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "fc.weight"}, tmp_path / "checkpoint" / "model.safetensors")
+    broken = draft.model_copy(update={"path": tmp_path})
+
+    with pytest.raises(ArtifactError, match=r"checkpoint/model.safetensors: cannot warm-start this draft from it: fc.weight \(missing\)"):
+        train_draft(TRAIN, dataset, hidden, vocab, verifier, store, Provenance(config={"run": "broken"}), init=broken)
+
+
+def test_previous_draft_is_the_latest_for_this_verifier_and_shape_trained_on_other_data(inputs, draft):
+    from conftest import SAMPLE
+
+    store, verifier, dataset, hidden, vocab = inputs
+    grown = prepare_dataset(DatasetConfig(max_seq_len=200), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
+
+    found = previous_draft(store, TRAIN, verifier, hidden, grown)
+
+    assert found is not None and found.parents["dataset"] == dataset.digest and found.finished_at >= draft.finished_at
+    assert previous_draft(store, TRAIN, verifier, hidden, dataset) is None  # none was trained on other data
+    assert previous_draft(store, TRAIN.model_copy(update={"num_layers": 2}), verifier, hidden, grown) is None
+    assert previous_draft(store, TRAIN, verifier, hidden.model_copy(update={"aux_layer_ids": [0, 1, 2]}), grown) is None
 
 
 def test_export_reloads_and_names_the_serving_verifier(inputs, draft):

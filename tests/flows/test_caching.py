@@ -189,6 +189,25 @@ def test_appending_records_extracts_only_the_new_shard(first_run, conversations)
     assert (hidden.num_records, hidden.extracted_shards, hidden.reused_shards) == (48, 1, 2)
 
 
+def test_retraining_on_grown_data_continues_from_the_previous_draft_and_then_stays_cached(first_run, conversations):
+    from eagle3.store import ArtifactStore
+    from eagle3.train import DraftManifest
+
+    config, first = first_run
+    config = config.model_copy(update={"train": config.train.model_copy(update={"init_from": "previous"})})
+    more = "".join(SAMPLE.read_text().splitlines(keepends=True)[40:48])
+    conversations.write_text(conversations.read_text() + more)
+
+    grown, states = _run(config)
+    again, states_again = _run(config)
+
+    assert states == {"resolve-verifier": "Cached", **dict.fromkeys(STEPS[1:], "Completed"), "find-previous-draft": "Completed"}
+    draft = ArtifactStore(config.store_dir).load(DraftManifest, grown.checkpoint.parents["draft"])
+    assert draft.init_from == draft.parents["init"] == first.checkpoint.parents["draft"]
+    assert states_again == {**dict.fromkeys(STEPS, "Cached"), "find-previous-draft": "Completed"}
+    assert again.checkpoint.digest == grown.checkpoint.digest
+
+
 def test_regeneration_feeds_the_verifiers_answers_into_the_dataset(prefect_server, tiny_verifier, conversations, tmp_path):
     from eagle3.lineage import lineage
     from eagle3.regenerate import RegeneratedManifest, regenerated_conversations

@@ -10,12 +10,13 @@ import speculators.train.checkpointer as checkpointer_module
 import speculators.train.trainer as trainer_module
 import torch
 
+from eagle3 import train as train_module
 from eagle3 import trainer_compat
 from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
 from eagle3.export import export_checkpoint, validate_checkpoint
 from eagle3.extract_hidden_states import FAULT_OOM_ENV, extract_hidden_states
 from eagle3.prepare_dataset import prepare_dataset
-from eagle3.store import ArtifactError, ArtifactStore, Provenance
+from eagle3.store import ArtifactError, ArtifactStore, Provenance, step_provenance
 from eagle3.train import _speculators_data_dir, previous_draft, simulated_acceptance_length, train_draft
 from eagle3.train_worker import OOM_EXIT, TrainSpec
 from eagle3.verifier import load_tokenizer, resolve_verifier
@@ -39,7 +40,13 @@ def inputs(tiny_verifier, tmp_path_factory):
 @pytest.fixture(scope="module")
 def draft(inputs):
     store, verifier, dataset, hidden, vocab = inputs
-    return train_draft(TRAIN, dataset, hidden, vocab, verifier, store, Provenance(config={"run": "main"}))
+    return train_draft(TRAIN, dataset, hidden, vocab, verifier, store, _as_the_task_keys_it(store, TRAIN, inputs))
+
+
+def _as_the_task_keys_it(store, cfg, inputs, init=None) -> Provenance:
+    """The provenance the training task gives the step (what `previous_draft` reads back)."""
+    _, verifier, dataset, hidden, vocab = inputs
+    return step_provenance(train_module, store, cfg=cfg, dataset=dataset, hidden_states=hidden, vocab=vocab, verifier=verifier, init=init)
 
 
 def test_simulated_acceptance_length_is_one_plus_sum_of_chain_products():
@@ -151,9 +158,9 @@ def test_the_worker_process_trains_and_reports_out_of_memory_by_exit_code(inputs
 
 def test_warm_start_continues_from_the_earlier_drafts_weights(inputs, draft):
     store, verifier, dataset, hidden, vocab = inputs
+    one_epoch = TRAIN.model_copy(update={"epochs": 1})
 
-    warm = train_draft(TRAIN.model_copy(update={"epochs": 1}), dataset, hidden, vocab, verifier, store,
-                       Provenance(config={"run": "warm"}), init=draft)
+    warm = train_draft(one_epoch, dataset, hidden, vocab, verifier, store, _as_the_task_keys_it(store, one_epoch, inputs, draft), init=draft)
 
     assert warm.init_from == draft.digest and draft.init_from is None
     # It starts where three epochs ended: one epoch in, it validates better than a first epoch from scratch.

@@ -87,7 +87,7 @@ def previous_draft(
         if (
             draft.parents.get("verifier") == verifier.digest
             and draft.aux_layer_ids == hidden_states.aux_layer_ids
-            and draft.config["cfg"]["num_layers"] == cfg.num_layers
+            and draft.config.get("cfg", {}).get("num_layers") == cfg.num_layers
             and draft.parents.get("dataset") != dataset.digest
         ):
             candidates.append(draft)

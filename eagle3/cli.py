@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print(result.promotion.summary())
     print(f"serve it: vllm serve {checkpoint.path}")
     print(f"{result.lineage.changes} Lineage: eagle3 lineage {result.lineage.run_id}")
+    print(f"replay: eagle3 run --config {result.lineage.config_file}")
     return 0
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from eagle3.promotion import promoted_checkpoints
-from eagle3.runs import run_records
+from eagle3.runs import replay_file, run_records
 from eagle3.store import ArtifactError, ArtifactStore
 
 __all__ = ["collect_garbage", "store_in_use"]
@@ -68,4 +68,5 @@ def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False)
                 shutil.rmtree(path)
             for record in records[:-keep_runs]:
                 record.unlink()
+                replay_file(record).unlink(missing_ok=True)
         return {"removed": len(doomed), "bytes": freed, "runs_kept": min(keep_runs, len(records))}

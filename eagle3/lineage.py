@@ -9,6 +9,7 @@ for one flow run the graph tells what the run produced and what it took from ear
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from pydantic import BaseModel
 
@@ -22,6 +23,7 @@ class RunLineage(BaseModel):
 
     run_id: str
     changes: str  # what the run produced, or "Nothing changed: ..."
+    config_file: Path  # the run's resolved configuration: `eagle3 run --config <it>` replays the run
 
 
 def find_artifact(store: ArtifactStore, prefix: str) -> str:

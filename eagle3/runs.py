@@ -3,6 +3,8 @@
 A record names the run, the artifacts it was handed (the roots of its lineage), every artifact
 those reach and the hidden-state shards they use. `eagle3 artifacts gc` keeps what the latest
 runs reached; `eagle3 lineage <run id>` redraws a run's lineage from its roots, with no server.
+Beside it, `<time>-<run id>.yaml` holds the run's whole resolved configuration:
+`eagle3 run --config <it>` replays the run.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ import json
 import time
 from pathlib import Path
 
+import yaml
+
 from eagle3.lineage import find_artifact, lineage
 from eagle3.store import ArtifactError, ArtifactStore, atomic_write_text
 
-__all__ = ["lineage_roots", "record_run", "run_records"]
+__all__ = ["lineage_roots", "record_run", "replay_file", "run_records"]
 
 
-def record_run(store: ArtifactStore, run_id: str, roots: list[str]) -> Path:
+def record_run(store: ArtifactStore, run_id: str, roots: list[str], config: dict | None = None) -> Path:
     """Record what a finished run reached: its roots, their ancestors and their shards. A draft
     warm-started from an earlier one keeps that draft but not its ancestry (its data and hidden
     states), so a chain of scheduled retrainings does not keep every dataset it ever saw."""
@@ -27,8 +31,15 @@ def record_run(store: ArtifactStore, run_id: str, roots: list[str]) -> Path:
     path = store.root / "runs" / f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{run_id}.json"
     path.parent.mkdir(exist_ok=True)
     record = {"run_id": run_id, "roots": roots, "artifacts": artifacts, "shards": shards}
+    if config is not None:  # written first: a record never lacks the replay file it names
+        atomic_write_text(replay_file(path), yaml.safe_dump(config, sort_keys=False))
     atomic_write_text(path, json.dumps(record, indent=0))
     return path
+
+
+def replay_file(record: Path) -> Path:
+    """The resolved configuration beside a run record (`eagle3 run --config` takes it)."""
+    return record.with_suffix(".yaml")
 
 
 def run_records(store: ArtifactStore) -> list[Path]:

@@ -57,5 +57,5 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
         evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, eval_prompts_source(config.evaluate))
         promotion = promote_task(store, config.promotion, evaluation)
         produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, evaluation]
-        lineage = publish_lineage_task(store, [m for m in produced if m is not None])
+        lineage = publish_lineage_task(store, [m for m in produced if m is not None], config)
     return PipelineResult(checkpoint=checkpoint, evaluation=evaluation, promotion=promotion, lineage=lineage)

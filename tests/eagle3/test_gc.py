@@ -13,15 +13,15 @@ def test_gc_removes_only_what_the_kept_runs_did_not_reach(tmp_path):
     dataset = publish_text_artifact(store, "dataset", "shared", {"source": "f" * 64})
     old = publish_text_artifact(store, "draft", "old", {"dataset": dataset.digest})
     new = publish_text_artifact(store, "draft", "new", {"dataset": dataset.digest})
-    record_run(store, "run-1", [old.digest])
-    record_run(store, "run-2", [new.digest])
+    record_run(store, "run-1", [old.digest], {"train": {"lr": 1e-3}})
+    kept = record_run(store, "run-2", [new.digest], {"train": {"lr": 3e-4}})
 
     result = collect_garbage(store, keep_runs=1)
 
     assert result["removed"] == 1
     assert not old.path.exists()
     assert new.path.exists() and dataset.path.exists()
-    assert len(list((store.root / "runs").iterdir())) == 1
+    assert sorted((store.root / "runs").iterdir()) == [kept, kept.with_suffix(".yaml")]  # a run's record and its replay file go together
 
 
 def test_gc_dry_run_removes_nothing(tmp_path):

@@ -125,6 +125,15 @@ def test_eagle3_lineage_of_a_flow_run_id_prints_the_graph_the_run_published_with
     assert first.lineage.changes.startswith("This run produced 6 of its 6 artifacts")
 
 
+def test_a_runs_recorded_configuration_replays_it(first_run):
+    from eagle3.config import load_config
+
+    config, first = first_run
+
+    assert first.lineage.config_file.parent == Path(config.store_dir) / "runs"
+    assert load_config(first.lineage.config_file) == config
+
+
 def test_a_run_that_trains_attaches_the_drafts_training_curves(first_run):
     import base64
 

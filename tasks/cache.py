@@ -3,11 +3,17 @@
 Prefect's built-in INPUTS policy hashes a Path by its string, so an edited file would still hit;
 here files count by content, manifests by digest, and config groups only by the fields that
 change the output (batch sizes and devices are left out).
+
+A cached result is a manifest that points into the store, and `eagle3 artifacts gc` may since have
+deleted what it points at. Such a result is never handed on: the key moves along a chain of
+rebuild keys past every stale result, so the step runs again and its new result is the one found
+from then on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -17,11 +23,11 @@ from prefect.utilities.hashing import hash_objects
 
 from eagle3.store import ArtifactStore, step_provenance
 
-__all__ = ["StepProvenance", "step_cache_policy"]
+__all__ = ["StepCache", "step_cache_policy"]
 
 
 @dataclass
-class StepProvenance(CachePolicy):
+class StepCache(CachePolicy):
     step_module: ModuleType | None = None
 
     def compute_key(
@@ -36,9 +42,17 @@ class StepProvenance(CachePolicy):
         inputs = dict(inputs)
         store = ArtifactStore(inputs.pop("store_dir"))
         # The store is part of the key: a cached manifest points into the store that holds it.
-        return hash_objects(str(store.root), step_provenance(self.step_module, store, **inputs).key)
+        key = hash_objects(
+            str(store.root),
+            step_provenance(self.step_module, store, **inputs).key,
+            TASK_SOURCE.compute_key(task_ctx=task_ctx, inputs=inputs, flow_parameters=flow_parameters),
+        )
+        results = task_ctx.result_store
+        while results.exists(key) and not Path(results.read(key).result.path).exists():
+            key = hash_objects(key, "rebuilt after gc")
+        return key
 
 
 def step_cache_policy(step_module: ModuleType) -> CachePolicy:
-    """Key = step provenance + the task wrapper's own source."""
-    return StepProvenance(step_module=step_module) + TASK_SOURCE
+    """Key = step provenance + the task wrapper's own source, past results whose artifact is gone."""
+    return StepCache(step_module=step_module)

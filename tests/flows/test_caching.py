@@ -217,6 +217,25 @@ def test_retraining_on_grown_data_continues_from_the_previous_draft_and_then_sta
     assert again.checkpoint.digest == grown.checkpoint.digest
 
 
+def test_a_step_whose_cached_artifact_gc_deleted_runs_again_instead_of_handing_on_nothing(first_run):
+    from eagle3.cli import main
+    from eagle3.store import ArtifactStore
+
+    config, first = first_run
+    _run(config.model_copy(update={"train": config.train.model_copy(update={"lr": 1e-3})}))
+    assert main(["artifacts", "gc", "--keep-runs", "1", "--store", config.store_dir]) == 0
+    first_draft = ArtifactStore(config.store_dir).artifact_dir(first.checkpoint.parents["draft"])
+    assert not first_draft.exists()  # Prefect still holds the first run's cached draft manifest
+
+    rebuilt, states = _run(config)
+    again, states_again = _run(config)
+
+    assert {s: states[s] for s in STEPS[:5]} == {**dict.fromkeys(STEPS[:4], "Cached"), "train-draft": "Completed"}
+    assert ArtifactStore(config.store_dir).artifact_dir(rebuilt.checkpoint.parents["draft"]).exists()
+    assert rebuilt.checkpoint.path.exists()
+    assert states_again == dict.fromkeys(STEPS, "Cached") and again.checkpoint.digest == rebuilt.checkpoint.digest
+
+
 def test_regeneration_feeds_the_verifiers_answers_into_the_dataset(prefect_server, tiny_verifier, conversations, tmp_path):
     from eagle3.lineage import lineage
     from eagle3.regenerate import RegeneratedManifest, regenerated_conversations

@@ -183,6 +183,7 @@ class TrainConfig(_Group):
         "scratch",
         description="scratch: fresh draft weights; previous: continue from the latest draft trained for the same "
         "verifier and draft shape on a different dataset (scheduled retraining on grown data), or from scratch if none.",
+        json_schema_extra=_NO_KEY,  # the draft it continues from is keyed by digest; none found equals scratch
     )
     min_total_seq_len: int = Field(
         256, ge=16, description="Out-of-memory back-off halves total_seq_len down to this, then fails.", json_schema_extra=_NO_KEY

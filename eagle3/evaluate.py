@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from eagle3 import endpoint, served_acceptance, speculative, verifier as verifier_module
 from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStateCapture, HiddenStatesManifest, resolve_device
@@ -35,6 +36,8 @@ from eagle3.verifier import VerifierManifest, load_text_model, load_tokenizer
 __all__ = ["EvalManifest", "eval_prompts_source", "evaluate", "load_draft", "read_prompts"]
 
 logger = logging.getLogger(__name__)
+# What else computes the numbers: a change to any of them re-measures.
+CODE_DEPENDENCIES = (speculative, served_acceptance, endpoint, verifier_module)
 
 
 class EvalManifest(ArtifactManifest):

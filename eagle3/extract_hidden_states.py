@@ -36,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 from tqdm import tqdm
 
+from eagle3 import verifier as verifier_module
 from eagle3.config import ConfigError, ExtractConfig
 from eagle3.isolation import free_device_memory, gpu_memory_used_mib, run_attempt
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
@@ -54,6 +55,7 @@ __all__ = [
 
 
 logger = logging.getLogger(__name__)
+CODE_DEPENDENCIES = (verifier_module,)  # loads the verifier whose states are extracted
 
 # Test hook: raise the real torch.OutOfMemoryError for any prefill (or training, or regeneration)
 # batch above this many tokens, so the back-off paths run deterministically without a GPU.

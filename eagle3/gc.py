@@ -1,8 +1,8 @@
 """Garbage collection: drop artifacts and shards that none of the latest N runs reached.
 
 Each finished run records what it reached (`eagle3/runs.py`). The best promoted checkpoint under
-each comparison key, and its evaluation, are kept however old: they are what gets served and what
-`eagle3 promoted` lists. A flow holds a shared lock on `gc.lock` while it runs; gc takes it
+each comparison key, its evaluation and its verifier are kept however old: they are what gets
+served and what `eagle3 promoted` lists. A flow holds a shared lock on `gc.lock` while it runs; gc takes it
 exclusively, so it never deletes under a running flow (it refuses instead of waiting).
 Unfinished work directories (`work/`) are kept: they are what a killed run resumes from.
 """
@@ -56,8 +56,8 @@ def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False)
             entry = json.loads(record.read_text())
             live_artifacts.update(entry["artifacts"])
             live_shards.update(entry["shards"])
-        for best in promoted_checkpoints(store):
-            live_artifacts.update((best.checkpoint, best.evaluation))
+        for best in promoted_checkpoints(store):  # and the verifier a served checkpoint names
+            live_artifacts.update((best.checkpoint, best.evaluation, best.key.verifier))
         doomed = [p for p in (store.root / "artifacts").iterdir() if p.name not in live_artifacts]
         shard_root = store.root / "shards"
         if shard_root.exists():

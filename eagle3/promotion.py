@@ -1,8 +1,8 @@
 """Promotion: is this run's draft better than the best one promoted before it?
 
 Measured tau is comparable only between evaluations of the same verifier, on the same prompts, with
-the same settings that change tau (k, max_new_tokens, number of prompts): that is the comparison
-key. A run's EAGLE-3 tau at k is compared with the best tau an earlier run promoted under the same
+the same settings that change tau (k, max_new_tokens, number of prompts, how and in what precision
+it was measured): that is the comparison key. A run's EAGLE-3 tau at k is compared with the best tau an earlier run promoted under the same
 key, and promoted when it is higher by more than `min_improvement`; the first under a key is promoted.
 
 The decision depends on history, so it is no artifact and never cached. Each decision is appended
@@ -42,6 +42,8 @@ class ComparisonKey(BaseModel):
     k: int = Field(description="draft length tau was measured at")
     max_new_tokens: int
     num_prompts: int
+    backend: str = Field("transformers", description="how tau was measured: our own decoding, or a vLLM server's counters")
+    dtype: str = Field("float32", description="precision of our own decoding (bf16 drifts from greedy)")
 
 
 class PromotionRecord(BaseModel):
@@ -86,7 +88,8 @@ def _comparison(evaluation: EvalManifest, k: int | None) -> tuple[ComparisonKey,
     if k not in taus:
         raise ConfigError(f"promotion.k={k}: {where} measured EAGLE-3 tau only at k in {sorted(taus)}; set promotion.k to one of them")
     key = ComparisonKey(verifier=evaluation.parents["verifier"], prompts=evaluation.parents["prompts"], k=k,
-                        max_new_tokens=settings["max_new_tokens"], num_prompts=evaluation.num_prompts)
+                        max_new_tokens=settings["max_new_tokens"], num_prompts=evaluation.num_prompts,
+                        backend=settings.get("backend", "transformers"), dtype=settings.get("dtype", "float32"))
     return key, taus[k]
 
 

@@ -43,6 +43,7 @@ import torch
 from pydantic import Field
 from tqdm import tqdm
 
+from eagle3 import endpoint, prepare_dataset, verifier as verifier_module
 from eagle3.config import RegenerateConfig
 from eagle3.endpoint import EndpointError, RequestRejected, chat, open_client
 from eagle3.extract_hidden_states import FAULT_OOM_ENV, resolve_device
@@ -54,6 +55,7 @@ from eagle3.verifier import VerifierManifest, load_text_model, load_tokenizer
 __all__ = ["RegeneratedManifest", "read_user_turns", "regenerate", "regenerated_conversations"]
 
 logger = logging.getLogger(__name__)
+CODE_DEPENDENCIES = (endpoint, prepare_dataset, verifier_module)  # request, read records, load the verifier
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 

@@ -61,7 +61,6 @@ class DraftManifest(ArtifactManifest):
     )
     curves: str = "training_curves.png"
     aux_layer_ids: list[int] | None = Field(None, description="verifier layers the draft reads (what a warm start must match)")
-    init_from: str | None = Field(None, description="digest of the draft whose weights training started from; None: scratch")
     finished_at: datetime | None = Field(None, description="when training finished (the latest is the next warm start)")
     tokens_per_s: float | None = Field(
         None, description="median training tokens per second per GPU over the steps (speculators' step timer)"
@@ -248,7 +247,6 @@ def train_draft(
             num_steps=sum(1 for r in history if "train" in r),
             tau_sim=epochs[-1]["tau_sim"],
             aux_layer_ids=hidden_states.aux_layer_ids,
-            init_from=init.digest if init else None,
             finished_at=datetime.now(timezone.utc),
             backoffs=backoffs,
             gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,

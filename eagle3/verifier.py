@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel
 
 from eagle3.config import ConfigError, VerifierConfig
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Stopwatch

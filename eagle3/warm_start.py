@@ -15,9 +15,8 @@ from eagle3.store import ArtifactError
 __all__ = ["warm_start"]
 
 
-def warm_start(model, checkpoint: Path) -> int:
-    """Load the trainable weights of the draft checkpoint directory `checkpoint` into `model`;
-    returns how many tensors were loaded.
+def warm_start(model, checkpoint: Path) -> None:
+    """Load the trainable weights of the draft checkpoint directory `checkpoint` into `model`.
 
     Raises:
         ArtifactError: the checkpoint lacks a trainable weight of `model` or holds it in another shape.
@@ -30,6 +29,7 @@ def warm_start(model, checkpoint: Path) -> int:
     unfit = [f"{n} (missing)" if n not in earlier else f"{n} {tuple(earlier[n].shape)} vs {tuple(p.shape)}"
              for n, p in trainable.items() if n not in earlier or earlier[n].shape != p.shape]
     if unfit:
-        raise ArtifactError(weights_file, f"cannot warm-start this draft from it: {', '.join(unfit)}")
+        raise ArtifactError(
+            weights_file, f"cannot warm-start this draft from it: {', '.join(unfit)}; set train.init_from=scratch to train afresh"
+        )
     model.load_state_dict({name: earlier[name] for name in trainable}, strict=False)
-    return len(trainable)

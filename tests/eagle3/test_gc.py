@@ -66,19 +66,21 @@ def test_gc_keeps_the_draft_a_kept_run_warm_started_from_but_not_its_ancestry(tm
     assert not old_data.path.exists()
 
 
-def test_gc_keeps_the_best_promoted_checkpoint_and_its_evaluation_however_old(tmp_path):
+def test_gc_keeps_the_best_promoted_checkpoint_its_evaluation_and_its_verifier_however_old(tmp_path):
     from eagle3.config import PromotionConfig
     from eagle3.promotion import promote
 
     store = ArtifactStore(tmp_path)
-    best = publish_evaluation(store, "best", {3: 2.0})
-    worse = publish_evaluation(store, "worse", {3: 1.5})
-    promote(PromotionConfig(), best, store, "run-1")
-    promote(PromotionConfig(), worse, store, "run-2")
-    record_run(store, "run-1", [best.digest])
-    record_run(store, "run-2", [worse.digest])
+    old_verifier = publish_text_artifact(store, "verifier", "dequantized last month", {})
+    best = publish_evaluation(store, "best", {3: 2.0}, verifier=old_verifier.digest)
+    unpromoted = publish_evaluation(store, "worse", {3: 1.5}, verifier=old_verifier.digest)
+    other = publish_evaluation(store, "other verifier", {3: 1.7})
+    for run, evaluation in (("run-1", best), ("run-2", unpromoted), ("run-3", other)):
+        promote(PromotionConfig(), evaluation, store, run)
+        record_run(store, run, [evaluation.digest])
 
     collect_garbage(store, keep_runs=1)
 
-    assert best.path.exists() and store.artifact_dir(best.parents["checkpoint"]).exists()
-    assert worse.path.exists()
+    assert best.path.exists() and store.artifact_dir(best.parents["checkpoint"]).exists() and old_verifier.path.exists()
+    assert not unpromoted.path.exists() and not store.artifact_dir(unpromoted.parents["checkpoint"]).exists()
+    assert other.path.exists()

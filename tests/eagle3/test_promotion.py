@@ -63,7 +63,8 @@ def test_improvement_within_the_margin_is_not_promoted(tmp_path):
 
 @pytest.mark.parametrize("change", [
     {"verifier": "f" * 64}, {"prompts": "f" * 64}, {"max_new_tokens": 32}, {"num_prompts": 8},
-], ids=["verifier", "prompts", "max_new_tokens", "num_prompts"])
+    {"dtype": "bfloat16"}, {"backend": "vllm"},
+], ids=["verifier", "prompts", "max_new_tokens", "num_prompts", "dtype", "backend"])
 def test_evaluations_on_another_verifier_or_eval_set_are_not_compared(tmp_path, change):
     store = ArtifactStore(tmp_path)
     promote(DEFAULT, publish_evaluation(store, "strong", {3: 3.0}), store, "run-1")

@@ -162,7 +162,7 @@ def test_warm_start_continues_from_the_earlier_drafts_weights(inputs, draft):
 
     warm = train_draft(one_epoch, dataset, hidden, vocab, verifier, store, _as_the_task_keys_it(store, one_epoch, inputs, draft), init=draft)
 
-    assert warm.init_from == draft.digest and draft.init_from is None
+    assert warm.parents["init"] == draft.digest and "init" not in draft.parents
     # It starts where three epochs ended: one epoch in, it validates better than a first epoch from scratch.
     assert warm.epochs[0]["val_loss"] < draft.epochs[0]["val_loss"]
 

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle3 import endpoint, served_acceptance, speculative, verifier as verifier_module
+from eagle3 import endpoint, prepare_dataset, served_acceptance, speculative, verifier as verifier_module
 from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStateCapture, HiddenStatesManifest, resolve_device
-from eagle3.prepare_dataset import read_records
+from eagle3.prepare_dataset import read_user_turns
 from eagle3.served_acceptance import measure_served_acceptance
 from eagle3.speculative import DecodeStats, Eagle3Proposer, NgramProposer, greedy_decode, speculative_decode
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
@@ -37,7 +37,7 @@ __all__ = ["EvalManifest", "eval_prompts_source", "evaluate", "load_draft", "rea
 
 logger = logging.getLogger(__name__)
 # What else computes the numbers: a change to any of them re-measures.
-CODE_DEPENDENCIES = (speculative, served_acceptance, endpoint, verifier_module)
+CODE_DEPENDENCIES = (speculative, served_acceptance, endpoint, prepare_dataset, verifier_module)
 
 
 class EvalManifest(ArtifactManifest):
@@ -58,27 +58,8 @@ def eval_prompts_source(cfg: EvalConfig) -> Path:
 
 
 def read_prompts(path: Path, limit: int) -> list[str]:
-    """First user turns from `prompt`, MT-bench `turns`, GSM8K `question` or conversation records."""
-    prompts = []
-    for index, record in read_records(path):
-        if len(prompts) >= limit:
-            break
-        if not isinstance(record, dict):
-            raise ArtifactError(path, f"record {index}: expected a JSON object")
-        if isinstance(record.get("prompt"), str):
-            prompts.append(record["prompt"])
-        elif isinstance(record.get("turns"), list) and record["turns"]:
-            prompts.append(record["turns"][0])
-        elif isinstance(record.get("question"), str):
-            prompts.append(record["question"])
-        elif isinstance(record.get("messages") or record.get("conversations"), list):
-            turns = record.get("messages") or record.get("conversations")
-            first = next((t.get("content", t.get("value")) for t in turns if t.get("role", t.get("from")) in ("user", "human")), None)
-            if first is None:
-                raise ArtifactError(path, f"record {index}: field 'messages' has no user turn")
-            prompts.append(first)
-        else:
-            raise ArtifactError(path, f"record {index}: no prompt field: expected 'prompt', 'turns', 'question' or 'messages'")
+    """The first user turn of each of the first `limit` records, in any prompt shape."""
+    prompts = [users[0] for _, _, users in read_user_turns(path, limit)]
     if not prompts:
         raise ArtifactError(path, "no prompts")
     return prompts

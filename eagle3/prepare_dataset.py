@@ -31,7 +31,7 @@ from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provena
 __all__ = [
     "DatasetManifest",
     "build_loss_mask",
-    "dataset_source", "load_dataset_table", "prepare_dataset", "read_conversations"]
+    "dataset_source", "load_dataset_table", "prepare_dataset", "read_conversations", "read_user_turns"]
 
 ROLE_ALIASES = {
     "user": "user",
@@ -44,6 +44,7 @@ ROLE_ALIASES = {
     "system": "system",
 }
 RECORDS_PER_FILE = 50_000
+Record = tuple[str, list[dict[str, str]], list[str]]  # (id, system messages, user turns)
 
 
 class DatasetManifest(ArtifactManifest):
@@ -80,6 +81,48 @@ def read_records(path: Path) -> Iterator[tuple[int, Any]]:
                 yield i, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ArtifactError(path, f"record {i} (line {i + 1}): not valid JSON ({exc.msg} at column {exc.colno})") from exc
+
+
+def read_user_turns(path: Path, limit: int | None) -> list[Record]:
+    """(record id, system messages, user turns) per record, from any prompt shape: `prompt`, GSM8K
+    `question`, MT-bench `turns`, or the user turns of `messages`/`conversations`.
+
+    Raises:
+        ArtifactError: a record has no user turn, or shares its id (`id`, `question_id`, else its
+            index) with an earlier one: answers are kept by id, so one would silently replace the other.
+    """
+    out = []
+    first_with_id: dict[str, int] = {}
+    for index, record in read_records(path):
+        if limit is not None and len(out) >= limit:
+            break
+        if not isinstance(record, dict):
+            raise ArtifactError(path, f"record {index}: expected a JSON object")
+        record_id = str(record.get("id", record.get("question_id", index)))
+        if record_id in first_with_id:
+            raise ArtifactError(
+                path, f"record {index}: field 'id': {record_id!r} is also the id of record {first_with_id[record_id]}; "
+                "answers are kept by id, so ids must be unique"
+            )
+        first_with_id[record_id] = index
+        if isinstance(record.get("prompt"), str):
+            out.append((record_id, [], [record["prompt"]]))
+        elif isinstance(record.get("question"), str):  # GSM8K
+            out.append((record_id, [], [record["question"]]))
+        elif isinstance(record.get("turns"), list) and all(isinstance(t, str) for t in record["turns"]):
+            out.append((record_id, [], list(record["turns"])))
+        elif isinstance(record.get("messages") or record.get("conversations"), list):
+            role_key, text_key = ("role", "content") if "messages" in record else ("from", "value")
+            turns = record.get("messages") or record.get("conversations")
+            roles = [ROLE_ALIASES.get(str(t.get(role_key)).lower()) for t in turns]
+            system = [{"role": "system", "content": t[text_key]} for t, r in zip(turns, roles) if r == "system"]
+            users = [t[text_key] for t, r in zip(turns, roles) if r == "user"]
+            if not users:
+                raise ArtifactError(path, f"record {index} (id {record_id!r}): field '{role_key}': no user turn to answer")
+            out.append((record_id, system, users))
+        else:
+            raise ArtifactError(path, f"record {index}: no prompt field: expected 'prompt', 'question', 'turns', 'messages' or 'conversations'")
+    return out
 
 
 def _normalise(path: Path, index: int, record: Any) -> tuple[str, list[dict[str, str]]]:

@@ -48,18 +48,17 @@ from eagle3.config import RegenerateConfig
 from eagle3.endpoint import EndpointError, RequestRejected, chat, open_client
 from eagle3.extract_hidden_states import FAULT_OOM_ENV, resolve_device
 from eagle3.isolation import free_device_memory, gpu_memory_used_mib, run_attempt
-from eagle3.prepare_dataset import ROLE_ALIASES, read_records
+from eagle3.prepare_dataset import Record, read_user_turns
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.verifier import VerifierManifest, load_text_model, load_tokenizer
 
-__all__ = ["RegeneratedManifest", "read_user_turns", "regenerate", "regenerated_conversations"]
+__all__ = ["RegeneratedManifest", "regenerate", "regenerated_conversations"]
 
 logger = logging.getLogger(__name__)
 CODE_DEPENDENCIES = (endpoint, prepare_dataset, verifier_module)  # request, read records, load the verifier
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
-Record = tuple[str, list[dict[str, str]], list[str]]  # (id, system messages, user turns)
 
 
 class RegeneratedManifest(ArtifactManifest):
@@ -71,33 +70,6 @@ class RegeneratedManifest(ArtifactManifest):
     gpu_memory_after_mib: dict[str, int] | None = Field(
         None, description="memory in use on each claimed GPU once the step's processes exited"
     )
-
-
-def read_user_turns(path: Path, limit: int | None) -> list[Record]:
-    """(record id, system messages, user turns) per record, from any supported prompt shape."""
-    out = []
-    for index, record in read_records(path):
-        if limit is not None and len(out) >= limit:
-            break
-        if not isinstance(record, dict):
-            raise ArtifactError(path, f"record {index}: expected a JSON object")
-        record_id = str(record.get("id", record.get("question_id", index)))
-        if isinstance(record.get("prompt"), str):
-            out.append((record_id, [], [record["prompt"]]))
-        elif isinstance(record.get("turns"), list) and all(isinstance(t, str) for t in record["turns"]):
-            out.append((record_id, [], list(record["turns"])))
-        elif isinstance(record.get("messages") or record.get("conversations"), list):
-            role_key, text_key = ("role", "content") if "messages" in record else ("from", "value")
-            turns = record.get("messages") or record.get("conversations")
-            roles = [ROLE_ALIASES.get(str(t.get(role_key)).lower()) for t in turns]
-            system = [{"role": "system", "content": t[text_key]} for t, r in zip(turns, roles) if r == "system"]
-            users = [t[text_key] for t, r in zip(turns, roles) if r == "user"]
-            if not users:
-                raise ArtifactError(path, f"record {index} (id {record_id!r}): field '{role_key}': no user turn to answer")
-            out.append((record_id, system, users))
-        else:
-            raise ArtifactError(path, f"record {index}: no prompt field: expected 'prompt', 'turns', 'messages' or 'conversations'")
-    return out
 
 
 def regenerated_conversations(manifest: RegeneratedManifest) -> Path:

@@ -136,6 +136,16 @@ def test_prompt_file_without_a_prompt_field_names_the_record(tmp_path):
         read_prompts(path, 5)
 
 
+def test_prompts_are_read_as_regeneration_reads_them(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"question": "What is 2 + 2?"},
+        {"messages": [{"role": "System", "content": "Be brief."}, {"role": "User", "content": "Hi"}]},
+        {"turns": ["First?", "Second?"]},
+    ])
+
+    assert read_prompts(path, 5) == ["What is 2 + 2?", "Hi", "First?"]
+
+
 @pytest.mark.vllm
 def test_served_counters_give_the_acceptance_our_own_decoding_measures(served_draft):
     store, verifier, hidden, checkpoint = served_draft.store, served_draft.verifier, served_draft.hidden_states, served_draft.checkpoint

@@ -12,7 +12,8 @@ from eagle3.config import EndpointConfig, RegenerateConfig, VerifierConfig
 from eagle3.endpoint import EndpointError
 from eagle3.extract_hidden_states import FAULT_OOM_ENV
 from eagle3.isolation import run_attempt
-from eagle3.regenerate import _answer_text, _transformers_attempt, read_user_turns, regenerate
+from eagle3.prepare_dataset import read_user_turns
+from eagle3.regenerate import _answer_text, _transformers_attempt, regenerate
 from eagle3.speculative import greedy_decode
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
@@ -48,6 +49,14 @@ def test_record_without_prompt_names_file_and_record(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}])
 
     with pytest.raises(ArtifactError, match=r"bad\.jsonl: record 0: no prompt field"):
+        read_user_turns(path, None)
+
+
+def test_a_repeated_id_names_both_records(tmp_path):
+    # The third record has no id: its index, 2, is the second record's id.
+    path = write_jsonl(tmp_path / "dup.jsonl", [{"id": "x", "prompt": "a"}, {"id": "2", "prompt": "b"}, {"prompt": "c"}])
+
+    with pytest.raises(ArtifactError, match=r"dup\.jsonl: record 2: field 'id': '2' is also the id of record 1"):
         read_user_turns(path, None)
 
 

@@ -39,19 +39,19 @@ def lineage(store: ArtifactStore, digests: list[str], leaf_edges: frozenset[str]
     inputs that are not artifacts appear as {"kind": "input", "name": ...}. A parent reached through
     an edge named in `leaf_edges` is included without its own ancestors."""
     nodes: dict[str, dict] = {}
+    expanded: set[str] = set()  # nodes whose parents are on the stack
     stack = [(d, "artifact", True) for d in digests]
     while stack:
         digest, name, follow = stack.pop()
-        if digest in nodes:
-            continue
-        path = store.artifact_dir(digest) / MANIFEST
-        if not path.exists():
-            nodes[digest] = {"kind": "input", "name": name, "digest": digest, "parents": {}}
-            continue
-        manifest = json.loads(path.read_text())
-        nodes[digest] = manifest
-        if follow:
-            stack.extend((parent, edge, edge not in leaf_edges) for edge, parent in manifest.get("parents", {}).items())
+        if digest not in nodes:
+            path = store.artifact_dir(digest) / MANIFEST
+            if not path.exists():
+                nodes[digest] = {"kind": "input", "name": name, "digest": digest, "parents": {}}
+                continue
+            nodes[digest] = json.loads(path.read_text())
+        if follow and digest not in expanded:  # a node first reached as a leaf is expanded when reached otherwise
+            expanded.add(digest)
+            stack.extend((parent, edge, edge not in leaf_edges) for edge, parent in nodes[digest].get("parents", {}).items())
     return nodes
 
 

@@ -64,6 +64,11 @@ class Eagle3Proposer:
     """
 
     def __init__(self, draft):
+        if draft.fc_norm is not None or draft.sliding_window_indices:
+            raise ValueError(
+                "this draft uses fc_norm or sliding-window layers, which the evaluation's own decoding does not "
+                "run; measure it with evaluate.backend=vllm"
+            )
         self.draft = draft.eval()
         self.aux: list[torch.Tensor] = []
 

@@ -244,7 +244,7 @@ def train_draft(
             **provenance.model_dump(),
             path=out,
             epochs=epochs,
-            num_steps=sum(1 for r in history if "train" in r),
+            num_steps=len({r["global_step"] for r in history if "train" in r}),  # a resumed step is logged twice
             tau_sim=epochs[-1]["tau_sim"],
             aux_layer_ids=hidden_states.aux_layer_ids,
             finished_at=datetime.now(timezone.utc),

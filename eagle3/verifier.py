@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -76,15 +78,21 @@ def _check_hf_dir(path: Path) -> None:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize `gguf` into the HF directory `out`, which appears only once complete (a killed
+    conversion leaves a `.partial` sibling, redone next time)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.hf_quantizer = None  # save_pretrained refuses a "quantized" model; weights are dequantized
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(partial, out)
 
 
 def resolve_verifier(cfg: VerifierConfig, store: ArtifactStore) -> VerifierManifest:

@@ -94,3 +94,15 @@ def test_eagle3_lineage_of_a_run_id_prints_the_runs_graph(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out == to_mermaid(lineage(store, [draft.digest]), "run-1") + "\n"
     assert err == "This run produced 1 of its 1 artifacts: draft.\n"
+
+
+def test_a_node_reached_first_through_a_leaf_edge_still_brings_its_ancestors_when_reached_otherwise(tmp_path):
+    store = ArtifactStore(tmp_path)
+    data = publish_text_artifact(store, "dataset", "d", {})
+    draft = publish_text_artifact(store, "draft", "old", {"dataset": data.digest})
+    warm = publish_text_artifact(store, "draft", "new", {"init": draft.digest})
+
+    nodes = lineage(store, [draft.digest, warm.digest], leaf_edges=frozenset({"init"}))
+
+    assert set(nodes) == {data.digest, draft.digest, warm.digest}
+    assert set(lineage(store, [warm.digest], leaf_edges=frozenset({"init"}))) == {draft.digest, warm.digest}

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import sys
@@ -38,7 +37,7 @@ from tqdm import tqdm
 
 from eagle3 import verifier as verifier_module
 from eagle3.config import ConfigError, ExtractConfig
-from eagle3.isolation import free_device_memory, gpu_memory_used_mib, run_attempt
+from eagle3.isolation import free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_text, code_version
 from eagle3.verifier import VerifierManifest, load_text_model
@@ -54,7 +53,6 @@ __all__ = [
 ]
 
 
-logger = logging.getLogger(__name__)
 CODE_DEPENDENCIES = (verifier_module,)  # loads the verifier whose states are extracted
 
 # Test hook: raise the real torch.OutOfMemoryError for any prefill (or training, or regeneration)
@@ -262,21 +260,6 @@ def _extract_shard(decoder, capture, writer, shard_dir, indices, input_ids, budg
     writer.drain()
 
 
-def _next_budget(budget: int, minimum: int, backoffs: list[dict], oom: dict) -> int:
-    """Halve the prefill budget after an out-of-memory error, or give up below `minimum`."""
-    tried = [b["prefill_batch_tokens"] for b in backoffs] + [budget]
-    if budget // 2 < minimum:
-        raise RuntimeError(
-            f"extraction ran out of memory in shard {oom['shard']} at every prefill batch size tried "
-            f"(extract.prefill_batch_tokens = {tried}) down to extract.min_prefill_batch_tokens = {minimum}: "
-            f"{oom['error']}. Finished shards are kept. Lower dataset.max_seq_len or min_prefill_batch_tokens, "
-            "or use a device with more memory."
-        )
-    backoffs.append({"shard": oom["shard"], "prefill_batch_tokens": budget, "retry_with": budget // 2, "error": oom["error"]})
-    logger.warning("out of memory in shard %d at prefill_batch_tokens=%d; retrying it with %d", oom["shard"], budget, budget // 2)
-    return budget // 2
-
-
 def _shard_key(verifier: VerifierManifest, aux: list[int], version: str, samples: list[list[int]]) -> str:
     h = hashlib.sha256(json.dumps([verifier.digest, aux, version]).encode())
     for token_ids in samples:
@@ -387,7 +370,11 @@ def extract_hidden_states(
         oom = run_attempt(_extract_attempt, attempt, gpus, shard_done)
         todo = [k for k in todo if not finished(k)]
         if oom is not None:
-            budget = _next_budget(budget, cfg.min_prefill_batch_tokens, backoffs, oom)
+            budget = halve_after_oom(
+                "extract.prefill_batch_tokens", budget, cfg.min_prefill_batch_tokens, backoffs, oom["error"],
+                f"in shard {oom['shard']}", "Finished shards are kept. Lower dataset.max_seq_len or "
+                "extract.min_prefill_batch_tokens, or use a device with more memory.", shard=oom["shard"],
+            )
 
     listing = [
         {"key": key, "first_record": shard[0], "num_records": len(shard),

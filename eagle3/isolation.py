@@ -11,6 +11,7 @@ included, so callers back off the same way whether an attempt ran in a child or 
 from __future__ import annotations
 
 import fcntl
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -27,6 +28,7 @@ __all__ = [
     "ChildProcessFailed",
     "free_device_memory",
     "gpu_memory_used_mib",
+    "halve_after_oom",
     "host_gpu_ids",
     "in_process_device",
     "lock_free_gpus",
@@ -87,6 +89,23 @@ def run_attempt(fn: Callable[..., Any], kwargs: dict, visible_devices: list[str]
         return payload
     error, child_traceback = payload
     raise pickle.loads(error) from ChildProcessFailed(f"in the child process:\n{child_traceback}")
+
+
+def halve_after_oom(knob: str, value: int, minimum: int, backoffs: list[dict], error: str, where: str, kept: str, **record) -> int:
+    """The out-of-memory back-off every GPU step shares: half of `value`, the batch setting `knob`
+    (e.g. 'train.total_seq_len') that ran out of memory, logged and appended to `backoffs` (with
+    `record`'s fields); below `minimum`, a RuntimeError saying what was tried and what is `kept`.
+    `where`: what ran out, for the messages ('in shard 3')."""
+    group, name = knob.split(".")
+    if value // 2 < minimum:
+        tried = [b[name] for b in backoffs] + [value]
+        raise RuntimeError(
+            f"{group} ran out of memory {where} at every batch size tried ({knob} = {tried}) down to "
+            f"{group}.min_{name} = {minimum}: {error}. {kept}"
+        )
+    backoffs.append({**record, name: value, "retry_with": value // 2, "error": error})
+    logging.getLogger(__name__).warning("%s ran out of memory %s at %s=%d; retrying with %d", group, where, knob, value, value // 2)
+    return value // 2
 
 
 def free_device_memory(device) -> None:

@@ -47,7 +47,7 @@ from eagle3 import endpoint, prepare_dataset, verifier as verifier_module
 from eagle3.config import RegenerateConfig
 from eagle3.endpoint import EndpointError, RequestRejected, chat, open_client
 from eagle3.extract_hidden_states import FAULT_OOM_ENV, resolve_device
-from eagle3.isolation import free_device_memory, gpu_memory_used_mib, run_attempt
+from eagle3.isolation import free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import Record, read_user_turns
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.verifier import VerifierManifest, load_text_model, load_tokenizer
@@ -194,22 +194,6 @@ def _transformers_attempt(
     return None
 
 
-def _next_batch_size(batch_size: int, minimum: int, backoffs: list[dict], oom: dict, done_log: Path) -> int:
-    """Halve the batch size after an out-of-memory error, or give up below `minimum`."""
-    tried = [b["batch_size"] for b in backoffs] + [batch_size]
-    if batch_size // 2 < minimum:
-        raise RuntimeError(
-            f"regeneration ran out of memory on records {oom['records']} at every batch size tried "
-            f"(regenerate.batch_size = {tried}) down to regenerate.min_batch_size = {minimum}: {oom['error']}. "
-            f"Finished records are kept in {done_log}: a re-run resumes there. Lower regenerate.min_batch_size "
-            "or max_new_tokens, shorten those prompts, or use a device with more memory."
-        )
-    backoffs.append({"batch_size": batch_size, "retry_with": batch_size // 2, "records": oom["records"], "error": oom["error"]})
-    logger.warning("out of memory on records %s at regenerate.batch_size=%d; retrying the unfinished records with %d",
-                   oom["records"], batch_size, batch_size // 2)
-    return batch_size // 2
-
-
 def _regenerate_by_transformers(
     todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, done_log: Path, gpus: list[str] | None, records_done
 ) -> list[dict]:
@@ -224,7 +208,11 @@ def _regenerate_by_transformers(
         todo = [r for r in todo if r[0] not in finished]
         assert oom is not None or not todo, "an attempt without an out-of-memory error left records unfinished"
         if oom is not None:
-            batch_size = _next_batch_size(batch_size, cfg.min_batch_size, backoffs, oom, done_log)
+            batch_size = halve_after_oom(
+                "regenerate.batch_size", batch_size, cfg.min_batch_size, backoffs, oom["error"], f"on records {oom['records']}",
+                f"Finished records are kept in {done_log}: a re-run resumes there. Lower regenerate.min_batch_size "
+                "or max_new_tokens, shorten those prompts, or use a device with more memory.", records=oom["records"],
+            )
     return backoffs
 
 

@@ -20,7 +20,6 @@ Cost on CPU: ~1.3 s per 512-token step for a SmolLM2-135M verifier.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import shutil
@@ -35,7 +34,7 @@ from pydantic import Field
 from eagle3 import train_worker, trainer_compat, warm_start
 from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest, hidden_state_files, resolve_device
-from eagle3.isolation import gpu_memory_used_mib
+from eagle3.isolation import gpu_memory_used_mib, halve_after_oom
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import MANIFEST, ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.train_worker import TrainSpec, report_step, train_attempt
@@ -45,7 +44,6 @@ from eagle3.vocab_mapping import VocabManifest
 
 __all__ = ["DraftManifest", "previous_draft", "simulated_acceptance_length", "train_draft"]
 
-logger = logging.getLogger(__name__)
 CODE_DEPENDENCIES = (train_worker, trainer_compat, warm_start)
 
 
@@ -217,15 +215,11 @@ def train_draft(
     )
     backoffs: list[dict] = []
     while (oom := _torchrun(spec, gpus, on_step) if gpus else _in_process(spec, on_step)) is not None:
-        tried = [b["total_seq_len"] for b in backoffs] + [spec.total_seq_len]
-        if spec.total_seq_len // 2 < cfg.min_total_seq_len:
-            raise RuntimeError(
-                f"training ran out of memory at every batch size tried (train.total_seq_len = {tried}) down to "
-                f"train.min_total_seq_len = {cfg.min_total_seq_len}: {oom}. Finished epochs are kept in {spec.checkpoints}."
-            )
-        backoffs.append({"total_seq_len": spec.total_seq_len, "retry_with": spec.total_seq_len // 2, "error": oom})
-        logger.warning("training ran out of memory at total_seq_len=%d; resuming with %d", spec.total_seq_len, spec.total_seq_len // 2)
-        spec = spec.model_copy(update={"total_seq_len": spec.total_seq_len // 2})
+        halved = halve_after_oom(
+            "train.total_seq_len", spec.total_seq_len, cfg.min_total_seq_len, backoffs, oom, "in a training step",
+            f"Finished epochs are kept in {spec.checkpoints}: a re-run resumes from the last.",
+        )
+        spec = spec.model_copy(update={"total_seq_len": halved})
 
     last_epoch = max(int(p.name) for p in spec.checkpoints.iterdir() if p.name.isdigit())
     history = [json.loads(line) for line in spec.metrics_log.read_text().splitlines()]

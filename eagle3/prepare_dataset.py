@@ -17,6 +17,7 @@ Output (`data-NNNNN.parquet`): `input_ids`, `loss_mask`, `seq_len`, `record_id`;
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
@@ -44,6 +45,12 @@ ROLE_ALIASES = {
     "system": "system",
 }
 RECORDS_PER_FILE = 50_000
+logger = logging.getLogger(__name__)
+# What a user can do about each reason a record is dropped.
+DROP_FIXES = {
+    "no_assistant_turn": "set regenerate.enabled=true to have the verifier answer user-only records",
+    "no_supervised_token": "raise dataset.max_seq_len: truncation cut off every assistant token",
+}
 Record = tuple[str, list[dict[str, str]], list[str]]  # (id, system messages, user turns)
 
 
@@ -242,6 +249,10 @@ def prepare_dataset(
     flush()
     if num_records == 0:
         raise ArtifactError(source, f"no record has a supervised (assistant) token; dropped: {dict(dropped)}")
+    for reason, count in sorted(dropped.items()):
+        logger.warning("%s: %d record(s) dropped, %s: %s", source, count, reason, DROP_FIXES[reason])
+    if num_truncated:
+        logger.warning("%s: %d record(s) truncated to dataset.max_seq_len=%d tokens", source, num_truncated, cfg.max_seq_len)
     token_ids = sorted(freq)
     pq.write_table(pa.table({"token_id": token_ids, "count": [freq[t] for t in token_ids]}), work / "token_freq.parquet")
     return store.publish(

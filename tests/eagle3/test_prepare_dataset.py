@@ -85,7 +85,7 @@ def test_missing_turns_field_names_it(tmp_path):
         list(read_conversations(path))
 
 
-def test_prepare_drops_and_counts_unsupervised_records_and_truncates(tmp_path, chatml):
+def test_prepare_drops_and_counts_unsupervised_records_and_truncates(tmp_path, chatml, caplog):
     path = write_jsonl(tmp_path / "c.jsonl", [
         {"messages": [{"role": "user", "content": "only a question"}]},
         {"messages": [{"role": "user", "content": "q " * 300}, {"role": "assistant", "content": "late answer"}]},
@@ -99,6 +99,12 @@ def test_prepare_drops_and_counts_unsupervised_records_and_truncates(tmp_path, c
     assert manifest.dropped == {"no_assistant_turn": 1, "no_supervised_token": 1}
     assert manifest.num_records == 2
     assert manifest.num_truncated == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        f"{path}: 1 record(s) dropped, no_assistant_turn: set regenerate.enabled=true to have the verifier answer user-only records",
+        f"{path}: 1 record(s) dropped, no_supervised_token: raise dataset.max_seq_len: truncation cut off every assistant token",
+        f"{path}: 2 record(s) truncated to dataset.max_seq_len=64 tokens",
+    ]
     table = pq.read_table(manifest.path / manifest.files[0])
     assert table.column("seq_len").to_pylist() == [64, len(table.column("input_ids")[1])]
     assert table.column("record_id").to_pylist() == ["2", "3"]

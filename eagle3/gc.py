@@ -2,8 +2,8 @@
 
 Each finished run records what it reached (`eagle3/runs.py`). The best promoted checkpoint under
 each comparison key, its evaluation and its verifier are kept however old: they are what gets
-served and what `eagle3 promoted` lists. A flow holds a shared lock on `gc.lock` while it runs; gc takes it
-exclusively, so it never deletes under a running flow (it refuses instead of waiting).
+served and what `eagle3 promoted` lists. A flow holds a shared lock on `gc.lock` while it runs;
+gc takes it exclusively, so it never deletes under a running flow (it refuses instead of waiting).
 Unfinished work directories (`work/`) are kept: they are what a killed run resumes from.
 """
 

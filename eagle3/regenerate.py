@@ -60,7 +60,6 @@ CODE_DEPENDENCIES = (endpoint, prepare_dataset, verifier_module)  # request, rea
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
-
 class RegeneratedManifest(ArtifactManifest):
     kind: str = "regenerated"
     num_records: int

@@ -89,28 +89,40 @@ def test_acceptance_is_counted_per_verifier_pass(verifier_model):
     assert nothing.accepted_per_pass == [0] * 24
 
 
-def test_draft_proposals_match_its_training_forward(exported, verifier_model):
-    """The first drafted token equals what the training-time forward predicts at that position."""
+def test_every_drafted_token_matches_its_training_forward(exported, verifier_model):
+    """Each step of a k-token chain computes what the training-time forward computes at that TTT
+    step: run on the context followed by the chain (which is what teacher forcing feeds each later
+    step), the training forward gives the same logits at the context's last position."""
     store, verifier, hidden, checkpoint = exported
     model, capture = verifier_model
     draft = load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double()
+    logits = []
+    hook = draft.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[0]))
     context = PROMPT + [900]
     with torch.no_grad():
         model(input_ids=torch.tensor([PROMPT]))
-    aux = capture.stacked()[0, :, :-1]  # [len(PROMPT), 3, H]
     proposer = Eagle3Proposer(draft)
-    proposer.observe(aux)
+    proposer.observe(capture.stacked()[0, :, :-1])
+    k = 3
 
-    [token] = proposer.propose(context, 1)
+    chain = proposer.propose(context, k)
+    drafted, logits = [step[-1] for step in logits], []
 
-    n = len(PROMPT)
+    sequence = context + chain
     with torch.no_grad():
-        draft_ids = draft(
-            hidden_states=aux.reshape(1, n, -1), input_ids=torch.tensor([context[1:]]),
-            document_ids=torch.zeros(1, n, dtype=torch.long), position_ids=torch.arange(1, n + 1)[None], ttt_steps=1,
-        )[0]
-    last = int(draft_ids[0, -1])
-    assert token == last + int(draft.d2t[last])
+        model(input_ids=torch.tensor([sequence]))
+    aux = capture.stacked()[0, :-1, :-1]  # states of sequence[:-1]: what the shifted batch pairs with sequence[1:]
+    n = len(sequence) - 1
+    with torch.no_grad():
+        draft(hidden_states=aux.reshape(1, n, -1), input_ids=torch.tensor([sequence[1:]]),
+              document_ids=torch.zeros(1, n, dtype=torch.long), position_ids=torch.arange(1, n + 1)[None], ttt_steps=k)
+    hook.remove()
+    at_last_context_token = len(context) - 2
+    trained = [step[at_last_context_token] for step in logits]
+    assert len(drafted) == len(trained) == k
+    for step, (ours, theirs) in enumerate(zip(drafted, trained)):
+        torch.testing.assert_close(ours, theirs, msg=lambda m: f"TTT step {step}: {m}")
+    assert chain == [int(t.argmax()) + int(draft.d2t[int(t.argmax())]) for t in trained]
 
 
 def test_evaluate_reports_tau_per_method_and_k(exported):

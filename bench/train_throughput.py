@@ -43,7 +43,8 @@ from eagle3.config import ExtractConfig, TrainConfig, VocabConfig  # noqa: E402
 from eagle3.extract_hidden_states import extract_hidden_states  # noqa: E402
 from eagle3.prepare_dataset import DatasetManifest  # noqa: E402
 from eagle3.store import ArtifactStore, Provenance  # noqa: E402
-from eagle3.train import _median_tokens_per_s, _speculators_data_dir, train_draft  # noqa: E402
+from eagle3.train import _speculators_data_dir, train_draft  # noqa: E402
+from eagle3.train_timing import median_tokens_per_s, time_breakdown  # noqa: E402
 from eagle3.train_worker import TrainSpec, _collect_metrics, speculators_train_config  # noqa: E402
 from eagle3.verifier import VerifierManifest  # noqa: E402
 from eagle3.vocab_mapping import build_vocab_mapping, load_vocab_mapping  # noqa: E402
@@ -123,7 +124,7 @@ def direct_worker(spec_file: Path) -> None:
 
         def setup_then_record_steps(*args, **kwargs):
             setup(*args, **kwargs)  # it resets the metrics logger's handlers: add the step sink after it
-            stack.enter_context(_collect_metrics(spec.metrics_log, spec.profile_log, lambda _record: None))
+            stack.enter_context(_collect_metrics(spec.metrics_log, spec.timing_log, lambda _record: None))
 
         cli.setup_metric_logger = setup_then_record_steps
         with trainer_compat.trainer_class(torch.device("cuda")):
@@ -158,6 +159,8 @@ def main() -> None:
     with PeakMemory() as pipeline_memory:
         draft = train_draft(cfg, dataset, hidden, vocab, verifier, store, Provenance(), gpus=["0"])
     pipeline_s = time.perf_counter() - start
+    print(f"pipeline: {draft.tokens_per_s:,.0f} tok/s/GPU, {draft.num_steps} steps, {pipeline_s:.1f} s, "
+          f"peak {pipeline_memory.peak:,} MiB; seconds by phase {draft.time_breakdown_s}", flush=True)
 
     work = root / "direct"
     work.mkdir()
@@ -165,12 +168,12 @@ def main() -> None:
     spec = TrainSpec(cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=aux, hidden_size=4096, vocab=vocab,
                      total_seq_len=args.total_seq_len, device="cuda")
     (work / "spec.json").write_text(spec.model_dump_json())
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     with PeakMemory() as direct_memory:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
                         __file__, "--direct-worker", str(work / "spec.json")], check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
     direct_s = time.perf_counter() - start
-    direct_tps = _median_tokens_per_s(spec.profile_log)
+    direct_tps = median_tokens_per_s(spec.timing_log)
     direct_steps = sum(1 for line in spec.metrics_log.read_text().splitlines() if "train" in json.loads(line))
 
     result = {
@@ -178,8 +181,10 @@ def main() -> None:
         "torch": torch.__version__,
         "shape": {"hidden": 4096, "verifier_vocab": VOCAB, "draft_vocab": args.draft_vocab_size, "samples": args.samples,
                   "seq_len": args.seq_len, "epochs": args.epochs, "total_seq_len": args.total_seq_len},
-        "pipeline": {"tokens_per_s": draft.tokens_per_s, "steps": draft.num_steps, "wall_s": pipeline_s, "peak_memory_mib": pipeline_memory.peak},
-        "direct": {"tokens_per_s": direct_tps, "steps": direct_steps, "wall_s": direct_s, "peak_memory_mib": direct_memory.peak},
+        "pipeline": {"tokens_per_s": draft.tokens_per_s, "steps": draft.num_steps, "wall_s": pipeline_s, "peak_memory_mib": pipeline_memory.peak,
+                     "seconds_by_phase": draft.time_breakdown_s},
+        "direct": {"tokens_per_s": direct_tps, "steps": direct_steps, "wall_s": direct_s, "peak_memory_mib": direct_memory.peak,
+                   "seconds_by_phase": time_breakdown(spec.timing_log, started_at, time.time())},
         "pipeline_over_direct_tokens_per_s": draft.tokens_per_s / direct_tps,
     }
     print(f"{result['device']}: draft for H4096 / vocab {VOCAB}, draft vocab {args.draft_vocab_size}, "
@@ -189,6 +194,8 @@ def main() -> None:
         row = result[name]
         print(f"  {name:<10} {row['tokens_per_s']:>10,.0f} {row['steps']:>6} {row['wall_s']:>8.1f} {row['peak_memory_mib']:>9,}")
     print(f"  pipeline / direct tokens/s: {result['pipeline_over_direct_tokens_per_s']:.3f}")
+    for name in ("pipeline", "direct"):
+        print(f"  {name} seconds by phase: {result[name]['seconds_by_phase']}")
     line = json.dumps(result)
     print(line)
     if args.json:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from eagle3 import train_worker, trainer_compat, warm_start
+from eagle3 import train_timing, train_worker, trainer_compat, warm_start
 from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest, hidden_state_files, resolve_device
 from eagle3.isolation import gpu_memory_used_mib, halve_after_oom
@@ -44,7 +44,7 @@ from eagle3.vocab_mapping import VocabManifest
 
 __all__ = ["DraftManifest", "previous_draft", "simulated_acceptance_length", "train_draft"]
 
-CODE_DEPENDENCIES = (train_worker, trainer_compat, warm_start)
+CODE_DEPENDENCIES = (train_timing, train_worker, trainer_compat, warm_start)
 
 
 class DraftManifest(ArtifactManifest):
@@ -62,6 +62,9 @@ class DraftManifest(ArtifactManifest):
     finished_at: datetime | None = Field(None, description="when training finished (the latest is the next warm start)")
     tokens_per_s: float | None = Field(
         None, description="median training tokens per second per GPU over the steps (speculators' step timer)"
+    )
+    time_breakdown_s: dict[str, float] | None = Field(
+        None, description="where the step's seconds went: startup, first step, steps, validation, other (train_timing)"
     )
 
 
@@ -108,11 +111,6 @@ def _speculators_data_dir(root: Path, dataset: DatasetManifest, hidden_states: H
     for index, path in files.items():
         os.symlink(path, links / f"hs_{index}.safetensors")
     return data_dir
-
-
-def _median_tokens_per_s(profile_log: Path) -> float | None:
-    rates = sorted(json.loads(line)["tokens_per_s"] for line in profile_log.read_text().splitlines()) if profile_log.exists() else []
-    return rates[len(rates) // 2] if rates else None
 
 
 def _epoch_summaries(records: list[dict], ttt_steps: int) -> list[dict[str, float]]:
@@ -204,7 +202,7 @@ def train_draft(
     checkpoint with half the `total_seq_len`, down to `cfg.min_total_seq_len`.
     `on_step(step, total, metrics)` is called after every optimizer step (for progress reports).
     """
-    clock = Stopwatch()
+    clock, started_at = Stopwatch(), time.time()
     work = store.work_dir("draft", provenance.key)
     _speculators_data_dir(work, dataset, hidden_states)
     spec = TrainSpec(
@@ -244,7 +242,8 @@ def train_draft(
             finished_at=datetime.now(timezone.utc),
             backoffs=backoffs,
             gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
-            tokens_per_s=_median_tokens_per_s(spec.profile_log),
+            tokens_per_s=train_timing.median_tokens_per_s(spec.timing_log),
+            time_breakdown_s=train_timing.time_breakdown(spec.timing_log, started_at, time.time()),
             seconds=clock(),
         ),
     )

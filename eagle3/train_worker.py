@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,8 +52,8 @@ class TrainSpec(BaseModel):
         return self.work / "metrics.jsonl"
 
     @property
-    def profile_log(self) -> Path:
-        return self.work / "profile.jsonl"
+    def timing_log(self) -> Path:
+        return self.work / "timing.jsonl"
 
     @property
     def checkpoints(self) -> Path:
@@ -66,10 +67,11 @@ def report_step(record: dict, total_steps: int, on_step) -> None:
 
 
 @contextmanager
-def _collect_metrics(log: Path, profile_log: Path, on_record) -> Iterator[None]:
+def _collect_metrics(log: Path, timing_log: Path, on_record) -> Iterator[None]:
     """Append each dict speculators' Trainer logs to `speculators.metrics` (one per step and per
-    validation epoch) to `log`, which outlives a crash, and pass it to `on_record`. Step timings
-    go to `profile_log` instead: wall-clock numbers would make two identical trainings' metrics differ."""
+    validation epoch) to `log`, which outlives a crash, and pass it to `on_record`. Timings (the
+    step timer's, and the wall clock when each record arrived) go to `timing_log` instead:
+    wall-clock numbers would make two identical trainings' metrics differ."""
     logger = logging.getLogger("speculators.metrics")
 
     class _Sink(logging.Handler):
@@ -78,9 +80,9 @@ def _collect_metrics(log: Path, profile_log: Path, on_record) -> Iterator[None]:
                 entry = {k: v for k, v in record.msg.items() if k != "profile"}
                 with open(log, "a") as f:
                     f.write(json.dumps(entry, default=float) + "\n")
-                if record.msg.get("profile"):
-                    with open(profile_log, "a") as f:
-                        f.write(json.dumps({"global_step": entry.get("global_step"), **record.msg["profile"]}, default=float) + "\n")
+                timing = {"global_step": entry.get("global_step"), "ended_at": time.time(), **(record.msg.get("profile") or {})}
+                with open(timing_log, "a") as f:
+                    f.write(json.dumps(timing, default=float) + "\n")
                 on_record(entry)
 
     handler = _Sink()
@@ -233,7 +235,7 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
         if on_step is not None:
             report_step(record, total_steps, on_step)
 
-    metrics = _collect_metrics(spec.metrics_log, spec.profile_log, on_record) if rank0 else _no_metrics()
+    metrics = _collect_metrics(spec.metrics_log, spec.timing_log, on_record) if rank0 else _no_metrics()
     try:
         with trainer_compat.trainer_class(device) as trainer_cls, metrics:
             trainer_cls(model, trainer_config, train_loader, val_loader).run_training()

@@ -34,7 +34,7 @@ def train_draft_task(
         manifest = step.train_draft(
             cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)"), gpus=gpus, init=init
         )
-    publish_step_report(manifest, manifest.model_dump(include={"num_steps", "tau_sim", "tokens_per_s", "backoffs", "gpu_memory_after_mib"}))
+    publish_step_report(manifest, manifest.model_dump(include={"num_steps", "tau_sim", "tokens_per_s", "time_breakdown_s", "backoffs", "gpu_memory_after_mib"}))
     publish_image("training-curves", manifest.path / manifest.curves, "training curves: loss and acceptance per TTT step")
     return manifest
 

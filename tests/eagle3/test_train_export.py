@@ -75,6 +75,17 @@ def test_training_throughput_counts_tokens_per_second_of_step_time(inputs, draft
     assert draft.tokens_per_s < dataset.num_tokens * TRAIN.epochs  # not per millisecond: a step takes > 1 ms here
 
 
+def test_training_time_is_split_into_phases_that_add_up_to_the_step(draft):
+    phases = draft.time_breakdown_s
+    counted = {k: v for k, v in phases.items() if k != "waiting_for_data"}  # part of `steps`
+
+    assert set(counted) == {"startup", "first_step", "steps", "validation", "other"}
+    assert all(v >= 0 for v in phases.values()), phases
+    assert sum(counted.values()) == pytest.approx(draft.seconds, abs=0.05)  # both from the same start and end
+    assert phases["steps"] > phases["waiting_for_data"] and phases["validation"] > 0
+    assert phases["steps"] > phases["first_step"]  # on CPU nothing is compiled: the later steps outweigh the first
+
+
 def test_training_draws_its_curves_into_the_draft(draft):
     from PIL import Image
 

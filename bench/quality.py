@@ -1,7 +1,7 @@
 """Quality benchmark: what a SmolLM2-135M-Instruct draft trained on regenerated answers achieves.
 
     python bench/quality.py --data DIR --size small      # CPU, minutes
-    eagle3 gpu-limit && python bench/quality.py --data DIR --size full   # one GPU (H200: ~10 minutes)
+    eagle3 gpu-limit && python bench/quality.py --data DIR --size full   # one GPU (H200: ~12 minutes)
 
 DIR holds `instructions_train.jsonl` (train prompts: `prompt`), `mt_bench_questions.jsonl`
 (MT-bench, first turns evaluated) and `gsm8k_test_dev.jsonl` (`question`). The pipeline flow runs
@@ -30,11 +30,11 @@ SIZES = {
         "evaluate": {"num_prompts": 3, "max_new_tokens": 32, "ks": [3, 5]},
     },
     "full": {
-        "regenerate": {"max_records": 2000, "max_new_tokens": 256, "batch_size": 500},
+        "regenerate": {"max_records": 5000, "max_new_tokens": 256, "batch_size": 500},
         "dataset": {"max_seq_len": 1024},
-        "vocab": {"draft_vocab_size": 16384},
-        "train": {"epochs": 10, "lr": 1e-3, "total_seq_len": 8192},
-        "evaluate": {"num_prompts": 8, "max_new_tokens": 64, "ks": [3, 5]},
+        "vocab": {"draft_vocab_size": 8192},
+        "train": {"epochs": 5, "lr": 1e-3, "total_seq_len": 16384},
+        "evaluate": {"num_prompts": 10, "max_new_tokens": 64, "ks": [3, 5]},
     },
 }
 EVAL_SETS = {"mt_bench": "mt_bench_questions.jsonl", "gsm8k": "gsm8k_test_dev.jsonl"}

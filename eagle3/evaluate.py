@@ -164,20 +164,20 @@ def evaluate(
     else:
         measured = _measure_by_own_decoding(cfg, checkpoint, hidden_states, verifier, texts)
 
-    work = store.work_dir("evaluation", provenance.key)
-    report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches}
-    (work / "report.json").write_text(json.dumps(report, indent=2, default=float))
-    return store.publish(
-        work,
-        EvalManifest(
-            **provenance.model_dump(),
-            path=work,
-            num_prompts=len(texts),
-            num_tokens=measured.num_tokens,
-            tau_sim=checkpoint.tau_sim,
-            results=measured.results,
-            greedy_tokens_per_s=measured.greedy_tokens_per_s,
-            mismatches=measured.mismatches,
-            seconds=clock(),
-        ),
-    )
+    with store.work_dir("evaluation", provenance.key) as work:
+        report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches}
+        (work / "report.json").write_text(json.dumps(report, indent=2, default=float))
+        return store.publish(
+            work,
+            EvalManifest(
+                **provenance.model_dump(),
+                path=work,
+                num_prompts=len(texts),
+                num_tokens=measured.num_tokens,
+                tau_sim=checkpoint.tau_sim,
+                results=measured.results,
+                greedy_tokens_per_s=measured.greedy_tokens_per_s,
+                mismatches=measured.mismatches,
+                seconds=clock(),
+            ),
+        )

@@ -89,30 +89,30 @@ def export_checkpoint(
     from speculators.models.eagle3 import Eagle3DraftModel
 
     clock = Stopwatch()
-    work = store.work_dir("checkpoint", provenance.key)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy2(Path(draft.path) / draft.checkpoint / name, work / name)
-    name_or_path = cfg.verifier_name_or_path or str(verifier.path)
-    config = json.loads((work / "config.json").read_text())
-    config["speculators_config"]["verifier"]["name_or_path"] = name_or_path
-    (work / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    validate_checkpoint(work, verifier, vocab, hidden_states)
+    with store.work_dir("checkpoint", provenance.key) as work:
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy2(Path(draft.path) / draft.checkpoint / name, work / name)
+        name_or_path = cfg.verifier_name_or_path or str(verifier.path)
+        config = json.loads((work / "config.json").read_text())
+        config["speculators_config"]["verifier"]["name_or_path"] = name_or_path
+        (work / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        validate_checkpoint(work, verifier, vocab, hidden_states)
 
-    # Reload as vLLM's loader and speculators would; the verifier's weights come from the local
-    # directory because `name_or_path` may only be valid on the serving host.
-    reload_config = Eagle3DraftModel.config_class.from_pretrained(work)
-    reload_config.speculators_config.verifier.name_or_path = str(verifier.path)
-    model = Eagle3DraftModel.from_pretrained(work, config=reload_config)
-    d2t, t2d = load_vocab_mapping(vocab)
-    if not (torch.equal(model.d2t.cpu(), d2t) and torch.equal(model.t2d.cpu(), t2d)):
-        raise ArtifactError(work / "model.safetensors", "fields 'd2t'/'t2d' differ from the vocab mapping artifact")
-    del model
+        # Reload as vLLM's loader and speculators would; the verifier's weights come from the local
+        # directory because `name_or_path` may only be valid on the serving host.
+        reload_config = Eagle3DraftModel.config_class.from_pretrained(work)
+        reload_config.speculators_config.verifier.name_or_path = str(verifier.path)
+        model = Eagle3DraftModel.from_pretrained(work, config=reload_config)
+        d2t, t2d = load_vocab_mapping(vocab)
+        if not (torch.equal(model.d2t.cpu(), d2t) and torch.equal(model.t2d.cpu(), t2d)):
+            raise ArtifactError(work / "model.safetensors", "fields 'd2t'/'t2d' differ from the vocab mapping artifact")
+        del model
 
-    manifest = ExportManifest(
-        **provenance.model_dump(),
-        path=work,
-        verifier_name_or_path=name_or_path,
-        tau_sim=draft.tau_sim,
-        seconds=clock(),
-    )
-    return store.publish(work, manifest)
+        manifest = ExportManifest(
+            **provenance.model_dump(),
+            path=work,
+            verifier_name_or_path=name_or_path,
+            tau_sim=draft.tau_sim,
+            seconds=clock(),
+        )
+        return store.publish(work, manifest)

@@ -39,7 +39,9 @@ from eagle3 import verifier as verifier_module
 from eagle3.config import ConfigError, ExtractConfig
 from eagle3.isolation import free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
-from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_text, code_version
+from eagle3.store import (
+    ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_bytes, atomic_write_text, code_version, exclusive,
+)
 from eagle3.verifier import VerifierManifest, load_text_model
 
 __all__ = [
@@ -219,9 +221,7 @@ class _OverlappedWriter:
         for row, (path, token_ids) in enumerate(rows):
             _check_finite(path, non_finite[row])
             payload = save({"hidden_states": host[row, : len(token_ids)].contiguous(), "token_ids": token_ids})
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_bytes(payload)
-            tmp.replace(path)
+            atomic_write_bytes(path, payload)  # on disk before the shard's done.json says so
             self.digests[path] = hashlib.sha256(payload).hexdigest()
 
     def drain(self) -> None:
@@ -267,6 +267,11 @@ def _shard_key(verifier: VerifierManifest, aux: list[int], version: str, samples
     return h.hexdigest()
 
 
+def _shard_lock(shard_root: Path, key: str):
+    """Held while a shard is extracted, so two runs that need the same shard extract it once."""
+    return exclusive(shard_root.parent / "locks" / f"shard-{key[:24]}.lock", f"another run extracting shard {key[:12]}")
+
+
 def _extract_attempt(
     dataset: DatasetManifest,
     verifier: VerifierManifest,
@@ -281,6 +286,8 @@ def _extract_attempt(
 
     Returns None when all are done, or {"shard", "error"} at the first out-of-memory error: the
     caller retries from that shard with a smaller budget, in a fresh process on a GPU.
+    `on_progress(tokens, extracted)` after each shard; `extracted` is False for a shard another
+    run finished while this one waited for it.
     """
     device = torch.device(device)
     input_ids: list[list[int]] = load_dataset_table(dataset).column("input_ids").to_pylist()
@@ -292,20 +299,26 @@ def _extract_attempt(
     try:
         with tqdm(total=sum(len(input_ids[i]) for _, _, shard in todo for i in shard), desc="extract hidden states", unit="tok") as progress:
             for k, key, shard in todo:
-                partial = shard_root / f"{key}.partial"
-                if partial.exists():
-                    shutil.rmtree(partial)  # left by a killed run: the shard is the unit of resume
-                partial.mkdir()
-                try:
-                    _extract_shard(decoder, capture, writer, partial, shard, input_ids, budget, device, progress)
-                except torch.OutOfMemoryError as exc:
-                    oom = {"shard": k, "error": str(exc).splitlines()[0]}
-                    break
-                verify_shard(partial, [input_ids[i] for i in shard], len(aux) + 1, verifier.hidden_size)
-                digests = {p.name: writer.digests.pop(p) for p in sorted(writer.digests) if p.parent == partial}
-                atomic_write_text(partial / "done.json", json.dumps({"sha256": digests}, indent=0))
-                os.replace(partial, shard_root / key)
-                on_progress(sum(len(input_ids[i]) for i in shard))
+                tokens = sum(len(input_ids[i]) for i in shard)
+                with _shard_lock(shard_root, key):
+                    if (shard_root / key / "done.json").exists():  # another run extracted it while this one waited
+                        progress.update(tokens)
+                        on_progress(tokens, False)
+                        continue
+                    partial = shard_root / f"{key}.partial"
+                    if partial.exists():
+                        shutil.rmtree(partial)  # left by a killed run: the shard is the unit of resume
+                    partial.mkdir()
+                    try:
+                        _extract_shard(decoder, capture, writer, partial, shard, input_ids, budget, device, progress)
+                    except torch.OutOfMemoryError as exc:
+                        oom = {"shard": k, "error": str(exc).splitlines()[0]}
+                        break
+                    verify_shard(partial, [input_ids[i] for i in shard], len(aux) + 1, verifier.hidden_size)
+                    digests = {p.name: writer.digests.pop(p) for p in sorted(writer.digests) if p.parent == partial}
+                    atomic_write_text(partial / "done.json", json.dumps({"sha256": digests}, indent=0))
+                    os.replace(partial, shard_root / key)
+                on_progress(tokens, True)
     finally:
         capture.states.clear()
         if oom is not None:
@@ -351,13 +364,13 @@ def extract_hidden_states(
         return (shard_root / keys[k] / "done.json").exists()
 
     todo = [k for k in range(len(shards)) if not finished(k)]
-    extracted = len(todo)
     total = sum(len(input_ids[i]) for k in todo for i in shards[k])
-    done = 0
+    done = extracted = 0
 
-    def shard_done(tokens: int) -> None:
-        nonlocal done
+    def shard_done(tokens: int, by_this_run: bool) -> None:
+        nonlocal done, extracted
         done += tokens
+        extracted += by_this_run
         if on_progress is not None:
             on_progress(done, total)
 
@@ -381,25 +394,25 @@ def extract_hidden_states(
          "sha256": json.loads((shard_root / key / "done.json").read_text())["sha256"]}
         for key, shard in zip(keys, shards)
     ]
-    work = store.work_dir("hidden_states", provenance.key)
-    atomic_write_text(work / "shards.json", json.dumps(listing, indent=0))
-    return store.publish(
-        work,
-        HiddenStatesManifest(
-            **provenance.model_dump(),
-            path=work,
-            aux_layer_ids=aux,
-            hidden_size=verifier.hidden_size,
-            num_records=len(input_ids),
-            num_tokens=sum(map(len, input_ids)),
-            shards=[{k: v for k, v in entry.items() if k != "sha256"} for entry in listing],
-            extracted_shards=extracted,
-            reused_shards=len(keys) - extracted,
-            backoffs=backoffs,
-            gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
-            seconds=clock(),
-        ),
-    )
+    with store.work_dir("hidden_states", provenance.key) as work:
+        atomic_write_text(work / "shards.json", json.dumps(listing, indent=0))
+        return store.publish(
+            work,
+            HiddenStatesManifest(
+                **provenance.model_dump(),
+                path=work,
+                aux_layer_ids=aux,
+                hidden_size=verifier.hidden_size,
+                num_records=len(input_ids),
+                num_tokens=sum(map(len, input_ids)),
+                shards=[{k: v for k, v in entry.items() if k != "sha256"} for entry in listing],
+                extracted_shards=extracted,
+                reused_shards=len(keys) - extracted,
+                backoffs=backoffs,
+                gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
+                seconds=clock(),
+            ),
+        )
 
 
 def hidden_state_files(manifest: HiddenStatesManifest) -> dict[int, Path]:

@@ -206,69 +206,69 @@ def prepare_dataset(
         ArtifactError: a record is unreadable, lacks its turns, or has an unknown role.
     """
     clock = Stopwatch()
-    work = store.work_dir("dataset", provenance.key)
-    for old in work.glob("*.parquet"):
-        old.unlink()
-    freq: Counter[int] = Counter()
-    dropped: Counter[str] = Counter()
-    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "record_id": []}
-    files: list[str] = []
-    num_tokens = num_truncated = num_records = 0
+    with store.work_dir("dataset", provenance.key) as work:
+        for old in work.glob("*.parquet"):
+            old.unlink()
+        freq: Counter[int] = Counter()
+        dropped: Counter[str] = Counter()
+        rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "record_id": []}
+        files: list[str] = []
+        num_tokens = num_truncated = num_records = 0
 
-    def flush() -> None:
-        if rows["seq_len"]:
-            name = f"data-{len(files):05d}.parquet"
-            pq.write_table(pa.table(rows), work / name)
-            files.append(name)
-            for column in rows.values():
-                column.clear()
+        def flush() -> None:
+            if rows["seq_len"]:
+                name = f"data-{len(files):05d}.parquet"
+                pq.write_table(pa.table(rows), work / name)
+                files.append(name)
+                for column in rows.values():
+                    column.clear()
 
-    for record_id, messages in tqdm(read_conversations(source, cfg.max_records), desc="prepare dataset", unit="rec"):
-        if not any(m["role"] == "assistant" for m in messages):
-            dropped["no_assistant_turn"] += 1
-            continue
-        try:
-            ids, mask = build_loss_mask(tokenizer, messages)
-        except ValueError as exc:
-            raise ArtifactError(source, f"record id {record_id!r}: field 'messages': {exc}") from exc
-        if len(ids) > cfg.max_seq_len:
-            ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
-            num_truncated += 1
-        if not any(mask):
-            dropped["no_supervised_token"] += 1
-            continue
-        freq.update(t for t, m in zip(ids, mask) if m)
-        rows["input_ids"].append(ids)
-        rows["loss_mask"].append(mask)
-        rows["seq_len"].append(len(ids))
-        rows["record_id"].append(record_id)
-        num_tokens += len(ids)
-        num_records += 1
-        if len(rows["seq_len"]) >= RECORDS_PER_FILE:
-            flush()
-    flush()
-    if num_records == 0:
-        raise ArtifactError(source, f"no record has a supervised (assistant) token; dropped: {dict(dropped)}")
-    for reason, count in sorted(dropped.items()):
-        logger.warning("%s: %d record(s) dropped, %s: %s", source, count, reason, DROP_FIXES[reason])
-    if num_truncated:
-        logger.warning("%s: %d record(s) truncated to dataset.max_seq_len=%d tokens", source, num_truncated, cfg.max_seq_len)
-    token_ids = sorted(freq)
-    pq.write_table(pa.table({"token_id": token_ids, "count": [freq[t] for t in token_ids]}), work / "token_freq.parquet")
-    return store.publish(
-        work,
-        DatasetManifest(
-            **provenance.model_dump(),
-            path=work,
-            num_records=num_records,
-            num_tokens=num_tokens,
-            num_supervised_tokens=sum(freq.values()),
-            num_truncated=num_truncated,
-            dropped=dict(dropped),
-            files=files,
-            seconds=clock(),
-        ),
-    )
+        for record_id, messages in tqdm(read_conversations(source, cfg.max_records), desc="prepare dataset", unit="rec"):
+            if not any(m["role"] == "assistant" for m in messages):
+                dropped["no_assistant_turn"] += 1
+                continue
+            try:
+                ids, mask = build_loss_mask(tokenizer, messages)
+            except ValueError as exc:
+                raise ArtifactError(source, f"record id {record_id!r}: field 'messages': {exc}") from exc
+            if len(ids) > cfg.max_seq_len:
+                ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
+                num_truncated += 1
+            if not any(mask):
+                dropped["no_supervised_token"] += 1
+                continue
+            freq.update(t for t, m in zip(ids, mask) if m)
+            rows["input_ids"].append(ids)
+            rows["loss_mask"].append(mask)
+            rows["seq_len"].append(len(ids))
+            rows["record_id"].append(record_id)
+            num_tokens += len(ids)
+            num_records += 1
+            if len(rows["seq_len"]) >= RECORDS_PER_FILE:
+                flush()
+        flush()
+        if num_records == 0:
+            raise ArtifactError(source, f"no record has a supervised (assistant) token; dropped: {dict(dropped)}")
+        for reason, count in sorted(dropped.items()):
+            logger.warning("%s: %d record(s) dropped, %s: %s", source, count, reason, DROP_FIXES[reason])
+        if num_truncated:
+            logger.warning("%s: %d record(s) truncated to dataset.max_seq_len=%d tokens", source, num_truncated, cfg.max_seq_len)
+        token_ids = sorted(freq)
+        pq.write_table(pa.table({"token_id": token_ids, "count": [freq[t] for t in token_ids]}), work / "token_freq.parquet")
+        return store.publish(
+            work,
+            DatasetManifest(
+                **provenance.model_dump(),
+                path=work,
+                num_records=num_records,
+                num_tokens=num_tokens,
+                num_supervised_tokens=sum(freq.values()),
+                num_truncated=num_truncated,
+                dropped=dict(dropped),
+                files=files,
+                seconds=clock(),
+            ),
+        )
 
 
 def load_dataset_table(manifest: DatasetManifest) -> pa.Table:

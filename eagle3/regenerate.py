@@ -280,45 +280,45 @@ def regenerate(
     """
     clock = Stopwatch()
     records = read_user_turns(source, cfg.max_records)
-    work = store.work_dir("regenerated", provenance.key)
-    done_log = work / "done.jsonl"
-    done = _read_done(done_log)
-    todo = [r for r in records if r[0] not in done]
-    backoffs: list[dict] = []
-    if todo:
-        with tqdm(total=len(todo), desc="regenerate", unit="rec") as progress:
-
-            def records_done(count: int) -> None:
-                progress.update(count)
-                if on_progress is not None:
-                    on_progress(progress.n, len(todo))
-
-            if cfg.backend == "openai":
-                _regenerate_by_server(todo, cfg, done_log, records_done)
-            else:
-                backoffs = _regenerate_by_transformers(todo, cfg, verifier, done_log, gpus, records_done)
+    with store.work_dir("regenerated", provenance.key) as work:
+        done_log = work / "done.jsonl"
         done = _read_done(done_log)
+        todo = [r for r in records if r[0] not in done]
+        backoffs: list[dict] = []
+        if todo:
+            with tqdm(total=len(todo), desc="regenerate", unit="rec") as progress:
 
-    ok = [done[r[0]] for r in records if "failed" not in done[r[0]]]
-    out = work / "artifact"
-    out.mkdir(exist_ok=True)
-    pq.write_table(
-        pa.table({"id": [r["id"] for r in ok], "messages": [r["messages"] for r in ok],
-                  "finish_reasons": [r["finish_reasons"] for r in ok]}),
-        out / "conversations.parquet",
-    )
-    manifest = store.publish(
-        out,
-        RegeneratedManifest(
-            **provenance.model_dump(),
-            path=out,
-            num_records=len(ok),
-            num_generated_tokens=sum(r["tokens"] for r in ok),
-            failed={r[0]: done[r[0]]["failed"] for r in records if "failed" in done[r[0]]},
-            backoffs=backoffs,
-            gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
-            seconds=clock(),
-        ),
-    )
-    shutil.rmtree(work)
-    return manifest
+                def records_done(count: int) -> None:
+                    progress.update(count)
+                    if on_progress is not None:
+                        on_progress(progress.n, len(todo))
+
+                if cfg.backend == "openai":
+                    _regenerate_by_server(todo, cfg, done_log, records_done)
+                else:
+                    backoffs = _regenerate_by_transformers(todo, cfg, verifier, done_log, gpus, records_done)
+            done = _read_done(done_log)
+
+        ok = [done[r[0]] for r in records if "failed" not in done[r[0]]]
+        out = work / "artifact"
+        out.mkdir(exist_ok=True)
+        pq.write_table(
+            pa.table({"id": [r["id"] for r in ok], "messages": [r["messages"] for r in ok],
+                      "finish_reasons": [r["finish_reasons"] for r in ok]}),
+            out / "conversations.parquet",
+        )
+        manifest = store.publish(
+            out,
+            RegeneratedManifest(
+                **provenance.model_dump(),
+                path=out,
+                num_records=len(ok),
+                num_generated_tokens=sum(r["tokens"] for r in ok),
+                failed={r[0]: done[r[0]]["failed"] for r in records if "failed" in done[r[0]]},
+                backoffs=backoffs,
+                gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
+                seconds=clock(),
+            ),
+        )
+        shutil.rmtree(work)
+        return manifest

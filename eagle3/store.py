@@ -4,21 +4,28 @@ Layout under the store root:
 
     artifacts/<digest>/            one finished artifact; `manifest.json` is written last
     work/<step>-<key>/             a step's unfinished output, kept across crashes for resume
+    locks/                         one lock file per work directory and per hidden-state shard
     file-digests.json              memo of streamed file digests by (path, size, mtime)
 
 An artifact's digest is the sha256 over its files' relative paths and contents, so two runs
 that produce the same bytes share one directory. Publishing is a rename of a finished work
-directory, so a reader never sees half an artifact.
+directory whose files are on disk (fsynced), so a reader never sees half an artifact, even
+after a power loss. A step holds its work directory's lock while it runs: two runs of a step on
+the same inputs take turns instead of writing into one directory.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,6 +43,7 @@ __all__ = [
     "atomic_write_text",
     "digest_file",
     "digest_tree",
+    "exclusive",
     "step_provenance",
 ]
 
@@ -43,6 +51,7 @@ MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
 
 M = TypeVar("M", bound="ArtifactManifest")
+log = logging.getLogger(__name__)
 
 
 class ArtifactError(RuntimeError):
@@ -116,6 +125,29 @@ def digest_file(path: Path) -> str:
     return h.hexdigest()
 
 
+@contextmanager
+def exclusive(lock: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive lock on the file `lock` (created if missing). While another process holds
+    it, log that this one is waiting for `what`, then wait. The system releases it if the holder dies."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for %s (%s is held by another process)", what, lock)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield  # released when the file closes
+
+
+def _fsync(path: Path) -> None:
+    """Make a file's contents, or a directory's entries, durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
 
@@ -137,11 +169,15 @@ class ArtifactStore:
         (self.root / "artifacts").mkdir(parents=True, exist_ok=True)
         (self.root / "work").mkdir(parents=True, exist_ok=True)
 
-    def work_dir(self, step: str, key: str) -> Path:
-        """A step's scratch directory, the same for the same key, so a re-run resumes in it."""
-        path = self.root / "work" / f"{step}-{key[:24]}"
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+    @contextmanager
+    def work_dir(self, step: str, key: str) -> Iterator[Path]:
+        """A step's scratch directory, the same for the same key, so a re-run resumes in it; held
+        for the step's duration, so a concurrent run of the same step on the same inputs waits."""
+        name = f"{step}-{key[:24]}"
+        with exclusive(self.root / "locks" / f"{name}.lock", f"another run of step '{step}' on the same inputs"):
+            path = self.root / "work" / name
+            path.mkdir(parents=True, exist_ok=True)
+            yield path
 
     def artifact_dir(self, digest: str) -> Path:
         return self.root / "artifacts" / digest
@@ -172,9 +208,12 @@ class ArtifactStore:
         `manifest` comes with everything but `digest`, `path`, `num_bytes` and `producer`, which are
         filled here. An artifact already in the store keeps its manifest, so its first producer.
         """
+        files = _files(work)
+        for path in files:
+            _fsync(path)
         digest = digest_tree(work)
         final = self.artifact_dir(digest)
-        num_bytes = sum(p.stat().st_size for p in _files(work))
+        num_bytes = sum(p.stat().st_size for p in files)
         manifest = manifest.model_copy(update={"digest": digest, "path": final, "num_bytes": num_bytes, "producer": self.producer})
         atomic_write_text(work / MANIFEST, manifest.model_dump_json(indent=2))
         if final.exists():
@@ -183,7 +222,7 @@ class ArtifactStore:
             manifest = manifest.model_copy(update={"producer": first.producer})
         else:
             os.replace(work, final)
-            _fsync_dir(final.parent)
+            _fsync(final.parent)
         return manifest
 
     def load(self, manifest_type: type[M], digest: str) -> M:
@@ -191,14 +230,6 @@ class ArtifactStore:
         if not path.exists():
             raise ArtifactError(path, "no such artifact (deleted, or from another store)")
         return manifest_type.model_validate_json(path.read_text())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def step_provenance(module, store: "ArtifactStore", **inputs: Any) -> Provenance:

@@ -203,49 +203,49 @@ def train_draft(
     `on_step(step, total, metrics)` is called after every optimizer step (for progress reports).
     """
     clock, started_at = Stopwatch(), time.time()
-    work = store.work_dir("draft", provenance.key)
-    _speculators_data_dir(work, dataset, hidden_states)
-    spec = TrainSpec(
-        cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=hidden_states.aux_layer_ids,
-        hidden_size=hidden_states.hidden_size, vocab=vocab, total_seq_len=cfg.total_seq_len,
-        device="cuda" if gpus else str(resolve_device(cfg.device)),
-        init_checkpoint=init.path / init.checkpoint if init else None,
-    )
-    backoffs: list[dict] = []
-    while (oom := _torchrun(spec, gpus, on_step) if gpus else _in_process(spec, on_step)) is not None:
-        halved = halve_after_oom(
-            "train.total_seq_len", spec.total_seq_len, cfg.min_total_seq_len, backoffs, oom, "in a training step",
-            f"Finished epochs are kept in {spec.checkpoints}: a re-run resumes from the last.",
+    with store.work_dir("draft", provenance.key) as work:
+        _speculators_data_dir(work, dataset, hidden_states)
+        spec = TrainSpec(
+            cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=hidden_states.aux_layer_ids,
+            hidden_size=hidden_states.hidden_size, vocab=vocab, total_seq_len=cfg.total_seq_len,
+            device="cuda" if gpus else str(resolve_device(cfg.device)),
+            init_checkpoint=init.path / init.checkpoint if init else None,
         )
-        spec = spec.model_copy(update={"total_seq_len": halved})
+        backoffs: list[dict] = []
+        while (oom := _torchrun(spec, gpus, on_step) if gpus else _in_process(spec, on_step)) is not None:
+            halved = halve_after_oom(
+                "train.total_seq_len", spec.total_seq_len, cfg.min_total_seq_len, backoffs, oom, "in a training step",
+                f"Finished epochs are kept in {spec.checkpoints}: a re-run resumes from the last.",
+            )
+            spec = spec.model_copy(update={"total_seq_len": halved})
 
-    last_epoch = max(int(p.name) for p in spec.checkpoints.iterdir() if p.name.isdigit())
-    history = [json.loads(line) for line in spec.metrics_log.read_text().splitlines()]
-    epochs = _epoch_summaries(history, cfg.ttt_steps)
-    out = work / "artifact"
-    if out.exists():
-        shutil.rmtree(out)
-    (out / "checkpoint").mkdir(parents=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy2(spec.checkpoints / str(last_epoch) / name, out / "checkpoint" / name)
-    shutil.copy2(spec.metrics_log, out / "metrics.jsonl")
-    render_training_curves(spec.metrics_log, out / "training_curves.png", cfg.ttt_steps)
-    manifest = store.publish(
-        out,
-        DraftManifest(
-            **provenance.model_dump(),
-            path=out,
-            epochs=epochs,
-            num_steps=len({r["global_step"] for r in history if "train" in r}),  # a resumed step is logged twice
-            tau_sim=epochs[-1]["tau_sim"],
-            aux_layer_ids=hidden_states.aux_layer_ids,
-            finished_at=datetime.now(timezone.utc),
-            backoffs=backoffs,
-            gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
-            tokens_per_s=train_timing.median_tokens_per_s(spec.timing_log),
-            time_breakdown_s=train_timing.time_breakdown(spec.timing_log, started_at, time.time()),
-            seconds=clock(),
-        ),
-    )
-    shutil.rmtree(work)
-    return manifest
+        last_epoch = max(int(p.name) for p in spec.checkpoints.iterdir() if p.name.isdigit())
+        history = [json.loads(line) for line in spec.metrics_log.read_text().splitlines()]
+        epochs = _epoch_summaries(history, cfg.ttt_steps)
+        out = work / "artifact"
+        if out.exists():
+            shutil.rmtree(out)
+        (out / "checkpoint").mkdir(parents=True)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy2(spec.checkpoints / str(last_epoch) / name, out / "checkpoint" / name)
+        shutil.copy2(spec.metrics_log, out / "metrics.jsonl")
+        render_training_curves(spec.metrics_log, out / "training_curves.png", cfg.ttt_steps)
+        manifest = store.publish(
+            out,
+            DraftManifest(
+                **provenance.model_dump(),
+                path=out,
+                epochs=epochs,
+                num_steps=len({r["global_step"] for r in history if "train" in r}),  # a resumed step is logged twice
+                tau_sim=epochs[-1]["tau_sim"],
+                aux_layer_ids=hidden_states.aux_layer_ids,
+                finished_at=datetime.now(timezone.utc),
+                backoffs=backoffs,
+                gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
+                tokens_per_s=train_timing.median_tokens_per_s(spec.timing_log),
+                time_breakdown_s=train_timing.time_breakdown(spec.timing_log, started_at, time.time()),
+                seconds=clock(),
+            ),
+        )
+        shutil.rmtree(work)
+        return manifest

@@ -101,24 +101,26 @@ def resolve_verifier(cfg: VerifierConfig, store: ArtifactStore) -> VerifierManif
     Raises:
         ArtifactError: the path does not exist, or the directory lacks config, weights or tokenizer.
     """
-    from transformers import AutoConfig
-
     clock = Stopwatch()
     source = verifier_source(cfg)
     if not source.exists():
         raise ArtifactError(source, "verifier.path does not exist")
     source_digest = store.input_digest(source)
-    if source.suffix == ".gguf":
-        work = store.work_dir("verifier", source_digest)
+    if source.suffix != ".gguf":
+        _check_hf_dir(source)
+        return _manifest(source, source, source_digest).model_copy(update={"seconds": clock()})
+    with store.work_dir("verifier", source_digest) as work:
         if not (work / "config.json").exists():
             _convert_gguf(source, work)
-        hf_dir, publish = work, True
-    else:
-        _check_hf_dir(source)
-        hf_dir, publish = source, False
+        return store.publish(work, _manifest(work, source, source_digest).model_copy(update={"seconds": clock()}))
+
+
+def _manifest(hf_dir: Path, source: Path, source_digest: str) -> VerifierManifest:
+    from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(hf_dir)
     text = text_config(config)
-    manifest = VerifierManifest(
+    return VerifierManifest(
         digest=source_digest,
         code_version=CODE_VERSION,
         path=hf_dir,
@@ -129,9 +131,6 @@ def resolve_verifier(cfg: VerifierConfig, store: ArtifactStore) -> VerifierManif
         vocab_size=text.vocab_size,
         nested=text is not config,
     )
-    if publish:
-        return store.publish(hf_dir, manifest.model_copy(update={"seconds": clock()}))
-    return manifest.model_copy(update={"seconds": clock()})
 
 
 def load_tokenizer(path: Path):

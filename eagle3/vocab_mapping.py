@@ -63,21 +63,21 @@ def build_vocab_mapping(
             "padding the draft will never learn. Use more data or a smaller draft_vocab_size.",
             cfg.draft_vocab_size, len(freq), padded,
         )
-    work = store.work_dir("vocab_mapping", provenance.key)
-    save_file({"d2t": d2t, "t2d": t2d}, work / FILE)
-    return store.publish(
-        work,
-        VocabManifest(
-            **provenance.model_dump(),
-            path=work,
-            draft_vocab_size=cfg.draft_vocab_size,
-            verifier_vocab_size=verifier_vocab_size,
-            num_distinct_supervised_tokens=len(freq),
-            coverage=covered / sum(freq.values()),
-            padded=padded,
-            seconds=clock(),
-        ),
-    )
+    with store.work_dir("vocab_mapping", provenance.key) as work:
+        save_file({"d2t": d2t, "t2d": t2d}, work / FILE)
+        return store.publish(
+            work,
+            VocabManifest(
+                **provenance.model_dump(),
+                path=work,
+                draft_vocab_size=cfg.draft_vocab_size,
+                verifier_vocab_size=verifier_vocab_size,
+                num_distinct_supervised_tokens=len(freq),
+                coverage=covered / sum(freq.values()),
+                padded=padded,
+                seconds=clock(),
+            ),
+        )
 
 
 def load_vocab_mapping(manifest: VocabManifest) -> tuple[torch.Tensor, torch.Tensor]:

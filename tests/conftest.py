@@ -50,14 +50,20 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
+def work_dir_path(store, step: str, key: str):
+    """A step's work directory, created and released at once: where a test plants what a killed run left."""
+    with store.work_dir(step, key) as work:
+        return work
+
+
 def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str], manifest_type=None, **fields):
     """A one-file artifact with the given parents and manifest fields: lineage, gc and promotion
     tests need the graph and the manifest, not the payload."""
     from eagle3.store import ArtifactManifest
 
-    work = store.work_dir(kind, content)
-    (work / "data.txt").write_text(content)
-    return store.publish(work, (manifest_type or ArtifactManifest)(kind=kind, path=work, parents=parents, **fields))
+    with store.work_dir(kind, content) as work:
+        (work / "data.txt").write_text(content)
+        return store.publish(work, (manifest_type or ArtifactManifest)(kind=kind, path=work, parents=parents, **fields))
 
 
 def publish_evaluation(store, name: str, taus: dict[int, float], verifier="a" * 64, prompts="b" * 64, max_new_tokens=64, num_prompts=4,

@@ -1,12 +1,18 @@
 from __future__ import annotations
 
+import logging
+import shutil
+import threading
+
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, VerifierConfig
-from eagle3.extract_hidden_states import FAULT_OOM_ENV, _check_finite, _non_finite_per_slot, extract_hidden_states, hidden_state_files, verify_shard
+from eagle3.extract_hidden_states import (
+    FAULT_OOM_ENV, _check_finite, _non_finite_per_slot, _shard_lock, extract_hidden_states, hidden_state_files, verify_shard,
+)
 from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
@@ -96,6 +102,38 @@ def test_killed_extraction_resumes_at_the_first_unfinished_shard(prepared, tmp_p
     assert {p.name: p.stat().st_mtime_ns for p in finished.iterdir()} == first_shard
     fresh = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "fresh"), Provenance())
     assert fresh.digest == resumed.digest
+
+
+def test_a_shard_another_run_is_extracting_is_waited_for_then_reused(prepared, tmp_path):
+    """Two runs that need one shard extract it once: the later run waits on the shard's lock, then
+    finds the shard finished instead of writing into the same directory."""
+    _, verifier, dataset = prepared
+    cfg = ExtractConfig(aux_layer_ids=AUX, records_per_shard=8)
+    reference = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "reference"), Provenance())
+    first = reference.shards[0]["key"]
+    store = ArtifactStore(tmp_path / "shared")
+    waiting, result = threading.Event(), {}
+
+    class _Waiting(logging.Handler):
+        def emit(self, record):
+            if "waiting for another run extracting shard" in record.getMessage():
+                waiting.set()
+
+    handler = _Waiting()
+    logging.getLogger("eagle3.store").addHandler(handler)
+    later = threading.Thread(target=lambda: result.update(manifest=extract_hidden_states(cfg, dataset, verifier, store, Provenance())))
+    try:
+        with _shard_lock(store.root / "shards", first):  # the other run, part way through shard 0
+            later.start()
+            assert waiting.wait(60), "the later run did not wait for the shard"
+            shutil.copytree(tmp_path / "reference" / "shards" / first, store.root / "shards" / first)  # ... finishes it
+        later.join(120)
+    finally:
+        logging.getLogger("eagle3.store").removeHandler(handler)
+
+    manifest = result["manifest"]
+    assert (manifest.extracted_shards, manifest.reused_shards) == (2, 1)
+    assert manifest.digest == reference.digest
 
 
 def test_verify_shard_names_file_and_field_on_mismatch(prepared, tmp_path):

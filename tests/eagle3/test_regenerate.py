@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import free_port, write_jsonl
+from conftest import free_port, work_dir_path, write_jsonl
 from eagle3.config import EndpointConfig, RegenerateConfig, VerifierConfig
 from eagle3.endpoint import EndpointError
 from eagle3.extract_hidden_states import FAULT_OOM_ENV
@@ -83,7 +83,7 @@ def test_regenerated_turns_are_the_verifiers_greedy_answers_in_order(verifier, p
 def test_a_rerun_after_a_crash_regenerates_only_what_is_missing(verifier, prompts):
     store, manifest = verifier
     provenance = Provenance(config={"run": "resume"})
-    work = store.work_dir("regenerated", provenance.key)
+    work = work_dir_path(store, "regenerated", provenance.key)
     finished = {"id": "a", "messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "FOUR"}],
                 "finish_reasons": ["stop"], "tokens": 1}
     (work / "done.jsonl").write_text(json.dumps(finished) + "\n")
@@ -101,7 +101,7 @@ def test_a_torn_last_line_of_the_done_log_is_dropped_and_its_record_redone(verif
     finished = {"id": "a", "messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "FOUR"}],
                 "finish_reasons": ["stop"], "tokens": 1}
     torn = json.dumps({"id": "c", "messages": [{"role": "user", "content": "Hi"}]})[:30]  # a kill cut the write short
-    (store.work_dir("regenerated", provenance.key) / "done.jsonl").write_text(json.dumps(finished) + "\n" + torn)
+    (work_dir_path(store, "regenerated", provenance.key) / "done.jsonl").write_text(json.dumps(finished) + "\n" + torn)
 
     out = regenerate(CFG, prompts, manifest, store, provenance)
 
@@ -113,7 +113,7 @@ def test_a_torn_last_line_of_the_done_log_is_dropped_and_its_record_redone(verif
 def test_a_corrupt_line_inside_the_done_log_names_file_and_line(verifier, prompts):
     store, manifest = verifier
     provenance = Provenance(config={"run": "corrupt"})
-    (store.work_dir("regenerated", provenance.key) / "done.jsonl").write_text('{"id": "a", "mess\n{"id": "c"}\n')
+    (work_dir_path(store, "regenerated", provenance.key) / "done.jsonl").write_text('{"id": "a", "mess\n{"id": "c"}\n')
 
     with pytest.raises(ArtifactError, match=r"done\.jsonl: line 1 is not JSON"):
         regenerate(CFG, prompts, manifest, store, provenance)
@@ -144,7 +144,7 @@ def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried_and_keeps_fini
                                            r"down to regenerate.min_batch_size = 1: simulated out of memory.* Finished records are kept"):
         regenerate(CFG, prompts, manifest, store, provenance)
 
-    done_log = store.work_dir("regenerated", provenance.key) / "done.jsonl"
+    done_log = work_dir_path(store, "regenerated", provenance.key) / "done.jsonl"
     assert [json.loads(line)["id"] for line in done_log.read_text().splitlines()] == ["c"]
     monkeypatch.delenv(FAULT_OOM_ENV)
     progress = []
@@ -207,7 +207,7 @@ def test_a_rerun_after_a_crash_asks_the_server_only_for_what_is_missing(served_d
     provenance = Provenance(config={"run": "served-resume"})
     finished = {"id": "a", "messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "FOUR"}],
                 "finish_reasons": ["stop"], "tokens": 1}
-    (store.work_dir("regenerated", provenance.key) / "done.jsonl").write_text(json.dumps(finished) + "\n")
+    (work_dir_path(store, "regenerated", provenance.key) / "done.jsonl").write_text(json.dumps(finished) + "\n")
     before = _served_requests(served_draft)
 
     out = regenerate(_served(served_draft), prompts, served_draft.verifier, store, provenance)

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+
+from eagle3.store import ArtifactStore
+
+HOLD = """
+import sys
+from eagle3.store import ArtifactStore
+with ArtifactStore(sys.argv[1]).work_dir("dataset", "k" * 64) as work:
+    print(work, flush=True)
+    sys.stdin.read()  # until the test kills this process
+"""
+
+
+class _Waiting(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.seen = threading.Event()
+
+    def emit(self, record):
+        if "waiting for another run of step 'dataset'" in record.getMessage():
+            self.seen.set()
+
+
+def test_a_run_waits_for_the_work_dir_another_run_holds_until_that_run_dies(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    held_dir = holder.stdout.readline().strip()
+    waiting = _Waiting()
+    logging.getLogger("eagle3.store").addHandler(waiting)
+    entered = []
+
+    def second_run():
+        with ArtifactStore(tmp_path).work_dir("dataset", "k" * 64) as work:
+            entered.append((work, holder.poll()))
+
+    thread = threading.Thread(target=second_run)
+    try:
+        thread.start()
+        assert waiting.seen.wait(30), "the second run did not report that it waits"
+        assert thread.is_alive() and not entered
+        holder.kill()  # a killed run's lock goes with it
+        thread.join(30)
+    finally:
+        logging.getLogger("eagle3.store").removeHandler(waiting)
+        holder.kill()
+        holder.wait()
+
+    [(work, holder_status)] = entered
+    assert str(work) == held_dir and holder_status is not None  # the holder was gone when the second run entered
+
+
+def test_different_steps_and_inputs_do_not_wait_for_each_other(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with store.work_dir("dataset", "a" * 64) as a, store.work_dir("dataset", "b" * 64) as b, store.work_dir("draft", "a" * 64) as c:
+        assert len({a, b, c}) == 3 and all(p.is_dir() for p in (a, b, c))

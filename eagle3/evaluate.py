@@ -31,7 +31,7 @@ from eagle3.prepare_dataset import read_user_turns
 from eagle3.served_acceptance import measure_served_acceptance
 from eagle3.speculative import DecodeStats, Eagle3Proposer, NgramProposer, greedy_decode, speculative_decode
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
-from eagle3.verifier import VerifierManifest, load_text_model, load_tokenizer
+from eagle3.verifier import VerifierManifest, eos_token_ids, load_text_model, load_tokenizer
 
 __all__ = ["EvalManifest", "eval_prompts_source", "evaluate", "load_draft", "read_prompts"]
 
@@ -108,7 +108,7 @@ def _measure_by_own_decoding(
     model = load_text_model(verifier.path, dtype, device)
     capture = HiddenStateCapture(model.get_decoder(), hidden_states.aux_layer_ids)
     draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, device, dtype))
-    eos_ids = {tokenizer.eos_token_id, *([model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int) else model.generation_config.eos_token_id or [])} - {None}
+    eos_ids = eos_token_ids(tokenizer, model)
 
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]

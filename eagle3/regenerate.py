@@ -50,7 +50,7 @@ from eagle3.extract_hidden_states import FAULT_OOM_ENV, resolve_device
 from eagle3.isolation import free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import Record, read_user_turns
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
-from eagle3.verifier import VerifierManifest, load_text_model, load_tokenizer
+from eagle3.verifier import VerifierManifest, eos_token_ids, load_text_model, load_tokenizer
 
 __all__ = ["RegeneratedManifest", "regenerate", "regenerated_conversations"]
 
@@ -96,7 +96,7 @@ def _generate(model, tokenizer, conversations: list[list[dict]], cfg: Regenerate
     sampling = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature > 0 else {"do_sample": False}
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=cfg.max_new_tokens,
                          pad_token_id=pad, **sampling)[:, width:].tolist()
-    eos = {tokenizer.eos_token_id, *([model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int) else model.generation_config.eos_token_id or [])} - {None}
+    eos = eos_token_ids(tokenizer, model)
     results = []
     for tokens in out:
         stop = next((i for i, t in enumerate(tokens) if t in eos), None)

@@ -24,6 +24,7 @@ from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Stopwat
 __all__ = [
     "VerifierManifest",
     "bundled_gguf",
+    "eos_token_ids",
     "load_text_model",
     "load_tokenizer",
     "resolve_verifier",
@@ -153,6 +154,12 @@ def _weight_index(path: Path) -> dict[str, Path]:
         with safe_open(file, "pt") as f:
             out.update(dict.fromkeys(f.keys(), file))
     return out
+
+
+def eos_token_ids(tokenizer, model) -> set[int]:
+    """Every token id that ends a turn: the tokenizer's EOS and those of the model's generation config."""
+    configured = model.generation_config.eos_token_id
+    return {tokenizer.eos_token_id, *([configured] if isinstance(configured, int) else configured or [])} - {None}
 
 
 def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):

@@ -181,8 +181,9 @@ class TrainConfig(_Group):
     seed: int = Field(0, description="Seed for initialisation and batch order.")
     init_from: Literal["scratch", "previous"] = Field(
         "scratch",
-        description="scratch: fresh draft weights; previous: continue from the latest draft trained for the same "
-        "verifier and draft shape on a different dataset (scheduled retraining on grown data), or from scratch if none.",
+        description="scratch: fresh draft weights; previous: continue from a draft trained for the same verifier and "
+        "draft shape on a different dataset (the latest behind a promoted checkpoint, else the latest; for scheduled "
+        "retraining on grown data), or from scratch if none.",
         json_schema_extra=_NO_KEY,  # the draft it continues from is keyed by digest; none found equals scratch
     )
     min_total_seq_len: int = Field(

@@ -36,6 +36,7 @@ from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest, hidden_state_files, resolve_device
 from eagle3.isolation import gpu_memory_used_mib, halve_after_oom
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
+from eagle3.promotion import promoted_checkpoints
 from eagle3.store import MANIFEST, ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.train_worker import TrainSpec, report_step, train_attempt
 from eagle3.training_curves import render_training_curves
@@ -76,8 +77,10 @@ def simulated_acceptance_length(cond_acc: list[float]) -> float:
 def previous_draft(
     store: ArtifactStore, cfg: TrainConfig, verifier: VerifierManifest, hidden_states: HiddenStatesManifest, dataset: DatasetManifest
 ) -> DraftManifest | None:
-    """The latest finished draft trained for this verifier, aux layers and `cfg.num_layers` on a
-    dataset other than `dataset`; None when the store holds none."""
+    """The draft to continue from: of the finished drafts trained for this verifier, aux layers and
+    `cfg.num_layers` on a dataset other than `dataset`, the latest one behind a promoted checkpoint,
+    else the latest one (so a smoke run does not displace the draft being served); None when the
+    store holds none."""
     candidates = []
     for path in (store.root / "artifacts").glob(f"*/{MANIFEST}"):
         record = json.loads(path.read_text())
@@ -91,7 +94,12 @@ def previous_draft(
             and draft.parents.get("dataset") != dataset.digest
         ):
             candidates.append(draft)
-    return max(candidates, key=lambda d: d.finished_at, default=None)
+    promoted = {
+        json.loads(path.read_text())["parents"].get("draft")
+        for record in promoted_checkpoints(store)
+        if (path := store.artifact_dir(record.checkpoint) / MANIFEST).exists()
+    }
+    return max(candidates, key=lambda d: (d.digest in promoted, d.finished_at), default=None)
 
 
 def _speculators_data_dir(root: Path, dataset: DatasetManifest, hidden_states: HiddenStatesManifest) -> Path:

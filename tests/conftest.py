@@ -67,11 +67,11 @@ def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str
 
 
 def publish_evaluation(store, name: str, taus: dict[int, float], verifier="a" * 64, prompts="b" * 64, max_new_tokens=64, num_prompts=4,
-                       **measured):
-    """Checkpoint `name` and an evaluation of it in `store`, shaped as the evaluate step publishes them."""
+                       draft="d" * 64, **measured):
+    """Checkpoint `name` (of `draft`) and an evaluation of it in `store`, shaped as the evaluate step publishes them."""
     from eagle3.evaluate import EvalManifest
 
-    checkpoint = publish_text_artifact(store, "checkpoint", name, {"draft": "d" * 64})
+    checkpoint = publish_text_artifact(store, "checkpoint", name, {"draft": draft})
     settings = {"prompts_path": None, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "ks": list(taus), **measured}
     results = [{"method": method, "k": k, "tau": tau if method == "eagle3" else 1.2} for method in ("eagle3", "ngram") for k, tau in taus.items()]
     return publish_text_artifact(

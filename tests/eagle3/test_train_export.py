@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime, timezone
 
 import pytest
 import speculators.train.checkpointer as checkpointer_module
@@ -12,12 +13,13 @@ import torch
 
 from eagle3 import train as train_module
 from eagle3 import trainer_compat
-from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
+from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, PromotionConfig, TrainConfig, VerifierConfig, VocabConfig
 from eagle3.export import export_checkpoint, validate_checkpoint
 from eagle3.extract_hidden_states import FAULT_OOM_ENV, extract_hidden_states
 from eagle3.prepare_dataset import prepare_dataset
 from eagle3.store import ArtifactError, ArtifactStore, Provenance, step_provenance
-from eagle3.train import _speculators_data_dir, previous_draft, simulated_acceptance_length, train_draft
+from eagle3.promotion import promote
+from eagle3.train import DraftManifest, _speculators_data_dir, previous_draft, simulated_acceptance_length, train_draft
 from eagle3.train_worker import OOM_EXIT, TrainSpec
 from eagle3.verifier import load_tokenizer, resolve_verifier
 from eagle3.vocab_mapping import build_vocab_mapping
@@ -203,6 +205,28 @@ def test_previous_draft_is_the_latest_for_this_verifier_and_shape_trained_on_oth
     assert previous_draft(store, TRAIN, verifier, hidden, dataset) is None  # none was trained on other data
     assert previous_draft(store, TRAIN.model_copy(update={"num_layers": 2}), verifier, hidden, grown) is None
     assert previous_draft(store, TRAIN, verifier, hidden.model_copy(update={"aux_layer_ids": [0, 1, 2]}), grown) is None
+
+
+def test_previous_draft_prefers_the_latest_draft_behind_a_promoted_checkpoint(inputs, tmp_path):
+    from conftest import publish_evaluation, publish_text_artifact
+
+    _, verifier, dataset, hidden, _ = inputs
+    store = ArtifactStore(tmp_path)  # drafts as manifests alone: the choice reads nothing else
+
+    def trained(name: str, dataset_digest: str, finished_at: datetime):
+        return publish_text_artifact(
+            store, "draft", name, {"verifier": verifier.digest, "dataset": dataset_digest}, manifest_type=DraftManifest,
+            config={"cfg": {"num_layers": TRAIN.num_layers}}, epochs=[], num_steps=1, tau_sim=1.5,
+            aux_layer_ids=hidden.aux_layer_ids, finished_at=finished_at,
+        )
+
+    served = trained("served", "1" * 64, datetime(2026, 11, 1, tzinfo=timezone.utc))
+    smoke = trained("smoke test", "2" * 64, datetime(2026, 11, 2, tzinfo=timezone.utc))
+    assert previous_draft(store, TRAIN, verifier, hidden, dataset).digest == smoke.digest  # nothing promoted: the latest
+
+    promote(PromotionConfig(), publish_evaluation(store, "served checkpoint", {3: 2.0}, verifier=verifier.digest, draft=served.digest), store, "run")
+
+    assert previous_draft(store, TRAIN, verifier, hidden, dataset).digest == served.digest
 
 
 def test_export_reloads_and_names_the_serving_verifier(inputs, draft):

@@ -4,8 +4,9 @@
     eagle3 gpu-limit && python bench/quality.py --data DIR --size full   # one GPU (H200: ~12 minutes)
 
 DIR holds `instructions_train.jsonl` (train prompts: `prompt`), `mt_bench_questions.jsonl`
-(MT-bench, first turns evaluated) and `gsm8k_test_dev.jsonl` (`question`). The pipeline flow runs
-once per eval set on one artifact store: the second run reuses every step but evaluation. Prints
+(MT-bench, first turns evaluated) and `gsm8k_test_dev.jsonl` (`question`); `--eval-sets ... heldout`
+adds prompts held out of the training file. The pipeline flow runs once per eval set on one
+artifact store: each run after the first reuses every step but evaluation. Prints
 one table (training data, simulated tau, measured tau at k = 3 and 5 with the n-gram baseline, wall
 time per step) and writes it as JSON with `--json`.
 """
@@ -37,11 +38,28 @@ SIZES = {
         "evaluate": {"num_prompts": 10, "max_new_tokens": 64, "ks": [3, 5]},
     },
 }
-EVAL_SETS = {"mt_bench": "mt_bench_questions.jsonl", "gsm8k": "gsm8k_test_dev.jsonl"}
+EVAL_SETS = {"mt_bench": "mt_bench_questions.jsonl", "gsm8k": "gsm8k_test_dev.jsonl", "heldout": None}
+DEFAULT_EVAL_SETS = ["mt_bench", "gsm8k"]
+
+
+def eval_prompts(name: str, size: str, data: Path, store: Path) -> Path:
+    """An eval set's prompt file. `heldout`: the last prompts of `instructions_train.jsonl`, which
+    no size trains on (it takes the first records): the training distribution without the training
+    prompts, to tell how much of a gap to tau_sim comes from MT-bench and GSM8K being other prompts."""
+    if EVAL_SETS[name] is not None:
+        return data / EVAL_SETS[name]
+    lines = (data / "instructions_train.jsonl").read_text().splitlines()
+    wanted, trained = SIZES[size]["evaluate"]["num_prompts"], SIZES[size]["regenerate"]["max_records"]
+    if len(lines) < trained + wanted:
+        raise SystemExit(f"heldout: instructions_train.jsonl has {len(lines)} records; size {size} trains on the first "
+                         f"{trained}, so it needs {trained + wanted} to hold {wanted} out")
+    path = store.with_name(f"{store.name}-heldout-prompts.jsonl")
+    path.write_text("\n".join(lines[-wanted:]) + "\n")
+    return path
 STEP_KINDS = ["verifier", "regenerated", "dataset", "hidden_states", "vocab_mapping", "draft", "checkpoint", "evaluation"]
 
 
-def config(size: str, data: Path, store: Path, eval_file: str) -> PipelineConfig:
+def config(size: str, data: Path, store: Path, eval_file: Path) -> PipelineConfig:
     groups = SIZES[size]
     return PipelineConfig.model_validate({
         "store_dir": str(store),
@@ -49,7 +67,7 @@ def config(size: str, data: Path, store: Path, eval_file: str) -> PipelineConfig
         "regenerate": {"enabled": True, **groups["regenerate"]},
         "vocab": groups["vocab"],
         "train": groups["train"],
-        "evaluate": {"prompts_path": str(data / eval_file), **groups["evaluate"]},
+        "evaluate": {"prompts_path": str(eval_file), **groups["evaluate"]},
     })
 
 
@@ -65,18 +83,17 @@ def main() -> None:
     parser.add_argument("--data", type=Path, required=True, help="directory with the three JSONL files")
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--store", type=Path, default=Path("bench-quality-store"), help="artifact store (reused across runs)")
-    parser.add_argument("--eval-sets", nargs="+", choices=sorted(EVAL_SETS), default=list(EVAL_SETS),
+    parser.add_argument("--eval-sets", nargs="+", choices=sorted(EVAL_SETS), default=DEFAULT_EVAL_SETS,
                         help="evaluate on these (a later run with the same store reuses every other step)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
     from flows.train_draft import train_eagle3_draft
 
-    store = args.store.resolve()
+    store, data = args.store.resolve(), args.data.resolve()
     rows, manifests = {}, {}
     for name in args.eval_sets:
-        file = EVAL_SETS[name]
-        result = train_eagle3_draft(config(args.size, args.data.resolve(), store, file))
+        result = train_eagle3_draft(config(args.size, data, store, eval_prompts(name, args.size, data, store)))
         evaluation = result.evaluation
         manifests = manifests or _latest_run_manifests(store)  # the first run: it computed the shared steps
         rows[name] = {

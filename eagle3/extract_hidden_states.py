@@ -235,6 +235,12 @@ class _OverlappedWriter:
         if errors:
             raise errors[0]
 
+    def discard(self) -> None:
+        """Let every pending write finish, and forget them and their failures: they belong to a
+        shard that failed and is redone from its start."""
+        while self.pending:
+            self.pending.popleft().exception()  # waits; never raises
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
@@ -311,7 +317,10 @@ def _extract_attempt(
                     partial.mkdir()
                     try:
                         _extract_shard(decoder, capture, writer, partial, shard, input_ids, budget, device, progress)
-                    except torch.OutOfMemoryError as exc:
+                    except BaseException as exc:
+                        writer.discard()  # its queued writes land before the lock lets another run at the shard
+                        if not isinstance(exc, torch.OutOfMemoryError):
+                            raise
                         oom = {"shard": k, "error": str(exc).splitlines()[0]}
                         break
                     verify_shard(partial, [input_ids[i] for i in shard], len(aux) + 1, verifier.hidden_size)
@@ -321,8 +330,6 @@ def _extract_attempt(
                 on_progress(tokens, True)
     finally:
         capture.states.clear()
-        if oom is not None:
-            writer.pending.clear()  # the failed shard is redone from its start; its writes are void
         writer.close()
         capture.close()
         del model, decoder, capture, writer

@@ -210,8 +210,8 @@ def train_draft(
     checkpoint with half the `total_seq_len`, down to `cfg.min_total_seq_len`.
     `on_step(step, total, metrics)` is called after every optimizer step (for progress reports).
     """
-    clock, started_at = Stopwatch(), time.time()
     with store.work_dir("draft", provenance.key) as work:
+        clock, started_at = Stopwatch(), time.time()  # not counting a wait for another run of this step
         _speculators_data_dir(work, dataset, hidden_states)
         spec = TrainSpec(
             cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=hidden_states.aux_layer_ids,

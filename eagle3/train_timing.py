@@ -27,9 +27,11 @@ def median_tokens_per_s(timing_log: Path) -> float | None:
 
 def time_breakdown(timing_log: Path, started_at: float, ended_at: float) -> dict[str, float]:
     """Seconds from `started_at` to `ended_at` split into: `startup` (before the first step began:
-    launch, imports, data loaders, model), `first_step` (compile and autotuning on GPU), `steps`
-    (all other optimizer steps; `waiting_for_data` is the part of them spent fetching batches),
-    `validation`, and `other` (checkpoints, epoch boundaries, relaunches, export)."""
+    launch, imports, model), `first_step` (compile and autotuning on GPU), `steps` (all other
+    optimizer steps, an out-of-memory relaunch's first step included), `validation` (with the epoch
+    checkpoint speculators saves just before it) and `other` (epoch boundaries, a relaunch's
+    startup, export). `waiting_for_data` is the part of the steps, the first one included, spent
+    fetching batches (on a GPU the first fetch starts the data-loader workers)."""
     parts = dict.fromkeys(("startup", "first_step", "steps", "waiting_for_data", "validation"), 0.0)
     previous, first = started_at, True
     for record in _records(timing_log):
@@ -37,7 +39,7 @@ def time_breakdown(timing_log: Path, started_at: float, ended_at: float) -> dict
             continue  # an interrupted earlier run's, resumed by this one
         gap = record["ended_at"] - previous
         previous = record["ended_at"]
-        if "step_ms" not in record:
+        if record["validation"]:
             parts["validation"] += gap
             continue
         step = min(record["step_ms"] / 1000, gap)

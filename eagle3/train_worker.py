@@ -80,7 +80,8 @@ def _collect_metrics(log: Path, timing_log: Path, on_record) -> Iterator[None]:
                 entry = {k: v for k, v in record.msg.items() if k != "profile"}
                 with open(log, "a") as f:
                     f.write(json.dumps(entry, default=float) + "\n")
-                timing = {"global_step": entry.get("global_step"), "ended_at": time.time(), **(record.msg.get("profile") or {})}
+                timing = {"global_step": entry.get("global_step"), "ended_at": time.time(), "validation": "val" in entry,
+                          **(record.msg.get("profile") or {})}
                 with open(timing_log, "a") as f:
                     f.write(json.dumps(timing, default=float) + "\n")
                 on_record(entry)

@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
+TEMP_SUFFIX = ".tmp"  # atomic_write_bytes' temp files: one left behind was a write cut short
 _CHUNK = 1 << 20
 
 M = TypeVar("M", bound="ArtifactManifest")
@@ -100,7 +101,7 @@ class ArtifactManifest(Provenance):
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -177,6 +178,8 @@ class ArtifactStore:
         with exclusive(self.root / "locks" / f"{name}.lock", f"another run of step '{step}' on the same inputs"):
             path = self.root / "work" / name
             path.mkdir(parents=True, exist_ok=True)
+            for stale in path.rglob(f".*{TEMP_SUFFIX}"):  # a killed run's unfinished write, not part of any output
+                stale.unlink()
             yield path
 
     def artifact_dir(self, digest: str) -> Path:
@@ -209,13 +212,14 @@ class ArtifactStore:
         filled here. An artifact already in the store keeps its manifest, so its first producer.
         """
         files = _files(work)
-        for path in files:
-            _fsync(path)
+        for path in [*files, *sorted((d for d in work.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts))]:
+            _fsync(path)  # files, then the directories holding them, deepest first
         digest = digest_tree(work)
         final = self.artifact_dir(digest)
         num_bytes = sum(p.stat().st_size for p in files)
         manifest = manifest.model_copy(update={"digest": digest, "path": final, "num_bytes": num_bytes, "producer": self.producer})
         atomic_write_text(work / MANIFEST, manifest.model_dump_json(indent=2))
+        _fsync(work)
         if final.exists():
             shutil.rmtree(work)
             first = type(manifest).model_validate_json((final / MANIFEST).read_text())

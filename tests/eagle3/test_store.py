@@ -5,11 +5,11 @@ import subprocess
 import sys
 import threading
 
-from eagle3.store import ArtifactStore
+from eagle3.store import TEMP_SUFFIX, ArtifactStore, atomic_write_text
 
 HOLD = """
 import sys
-from eagle3.store import ArtifactStore
+from eagle3.store import TEMP_SUFFIX, ArtifactStore, atomic_write_text
 with ArtifactStore(sys.argv[1]).work_dir("dataset", "k" * 64) as work:
     print(work, flush=True)
     sys.stdin.read()  # until the test kills this process
@@ -35,7 +35,7 @@ def test_a_run_waits_for_the_work_dir_another_run_holds_until_that_run_dies(tmp_
 
     def second_run():
         with ArtifactStore(tmp_path).work_dir("dataset", "k" * 64) as work:
-            entered.append((work, holder.poll()))
+            entered.append(work)
 
     thread = threading.Thread(target=second_run)
     try:
@@ -49,11 +49,22 @@ def test_a_run_waits_for_the_work_dir_another_run_holds_until_that_run_dies(tmp_
         holder.kill()
         holder.wait()
 
-    [(work, holder_status)] = entered
-    assert str(work) == held_dir and holder_status is not None  # the holder was gone when the second run entered
+    [work] = entered
+    assert str(work) == held_dir  # entered only after the holder was killed: it was still waiting just before
 
 
 def test_different_steps_and_inputs_do_not_wait_for_each_other(tmp_path):
     store = ArtifactStore(tmp_path)
     with store.work_dir("dataset", "a" * 64) as a, store.work_dir("dataset", "b" * 64) as b, store.work_dir("draft", "a" * 64) as c:
         assert len({a, b, c}) == 3 and all(p.is_dir() for p in (a, b, c))
+
+
+def test_entering_a_work_dir_removes_a_write_a_killed_run_left_half_done(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with store.work_dir("dataset", "k" * 64) as work:
+        atomic_write_text(work / "data.parquet", "finished")
+        (work / "sub").mkdir()
+        (work / "sub" / f".part.parquet.x1y2{TEMP_SUFFIX}").write_text("cut short")  # as atomic_write_bytes names it
+
+    with store.work_dir("dataset", "k" * 64) as work:
+        assert sorted(p.relative_to(work).as_posix() for p in work.rglob("*")) == ["data.parquet", "sub"]

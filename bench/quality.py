@@ -48,7 +48,7 @@ def eval_prompts(name: str, size: str, data: Path, store: Path) -> Path:
     prompts, to tell how much of a gap to tau_sim comes from MT-bench and GSM8K being other prompts."""
     if EVAL_SETS[name] is not None:
         return data / EVAL_SETS[name]
-    lines = (data / "instructions_train.jsonl").read_text().splitlines()
+    lines = [line for line in (data / "instructions_train.jsonl").read_text().splitlines() if line.strip()]
     wanted, trained = SIZES[size]["evaluate"]["num_prompts"], SIZES[size]["regenerate"]["max_records"]
     if len(lines) < trained + wanted:
         raise SystemExit(f"heldout: instructions_train.jsonl has {len(lines)} records; size {size} trains on the first "

@@ -188,7 +188,9 @@ def start_worker(prefect_server, tmp_path):
     workers = []
 
     def start() -> Path:
+        # What a flow run's environment gets beyond the worker's own comes from prefect.yaml's job variables.
         env = {**os.environ, "PREFECT_API_URL": prefect_server}
+        env.pop("PREFECT_LOGGING_EXTRA_LOGGERS", None)  # `eagle3.cli.main`, called in-process by other tests, sets it
         with open(log_path, "w") as log:
             workers.append(subprocess.Popen(
                 [sys.executable, "-m", "prefect", "worker", "start", "--pool", "eagle3", "--run-once"],

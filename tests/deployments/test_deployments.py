@@ -17,6 +17,8 @@ def test_both_deployments_register_on_the_process_pool(deployments):
     retrain = deployments["scheduled-retrain"].parameters["config"]
     assert retrain["dataset"]["path"] == "data/retrain/conversations.jsonl"
     assert retrain["train"]["init_from"] == "previous"
+    for deployment in deployments.values():  # library warnings reach each run's log in the UI
+        assert deployment.job_variables["env"] == {"PREFECT_LOGGING_EXTRA_LOGGERS": "eagle3"}
 
 
 def test_the_form_schema_carries_descriptions_defaults_and_bounds(deployments):

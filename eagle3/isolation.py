@@ -10,12 +10,15 @@ included, so callers back off the same way whether an attempt ran in a child or 
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -26,6 +29,7 @@ from typing import Any
 
 __all__ = [
     "ChildProcessFailed",
+    "die_with_parent",
     "free_device_memory",
     "gpu_memory_used_mib",
     "halve_after_oom",
@@ -40,7 +44,22 @@ class ChildProcessFailed(RuntimeError):
     """The child died without a result (killed, crashed) or raised an exception that does not pickle."""
 
 
-def _child_main(fn: Callable, kwargs: dict, visible_devices: list[str] | None, conn) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: this process gets SIGTERM when the one that started it dies, even by SIGKILL. A GPU
+    child must not outlive the flow process: it writes into a work directory whose lock went with it."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent was already gone
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def dying_with_parent(command: list[str]) -> list[str]:
+    """`command` (an executable and its arguments) started through `die_with_parent` and exec."""
+    start = "import os, sys; from eagle3.isolation import die_with_parent; die_with_parent(int(sys.argv[1])); os.execvp(sys.argv[2], sys.argv[2:])"
+    return [sys.executable, "-c", start, str(os.getpid()), *command]
+
+
+def _child_main(fn: Callable, kwargs: dict, visible_devices: list[str] | None, conn, parent_pid: int) -> None:
+    die_with_parent(parent_pid)
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, visible_devices))
     try:
@@ -65,7 +84,7 @@ def run_attempt(fn: Callable[..., Any], kwargs: dict, visible_devices: list[str]
         return fn(**kwargs, on_progress=forward)
     ctx = mp.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child_main, args=(fn, kwargs, visible_devices, send), name=f"eagle3-{fn.__name__}")
+    child = ctx.Process(target=_child_main, args=(fn, kwargs, visible_devices, send, os.getpid()), name=f"eagle3-{fn.__name__}")
     child.start()
     send.close()
     outcome = None

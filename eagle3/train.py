@@ -34,7 +34,7 @@ from pydantic import Field
 from eagle3 import train_timing, train_worker, trainer_compat, warm_start
 from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest, hidden_state_files, resolve_device
-from eagle3.isolation import gpu_memory_used_mib, halve_after_oom
+from eagle3.isolation import dying_with_parent, gpu_memory_used_mib, halve_after_oom
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.promotion import promoted_checkpoints
 from eagle3.store import MANIFEST, ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
@@ -157,7 +157,7 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step) -> str | None:
     # Follow only what this attempt appends (a resumed run's log already holds earlier attempts).
     offset = spec.metrics_log.stat().st_size if spec.metrics_log.exists() else 0
     with open(log_path, "ab") as log:
-        child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        child = subprocess.Popen(dying_with_parent(command), env=env, stdout=log, stderr=subprocess.STDOUT)
         while True:
             code = child.poll()
             if on_step is not None and spec.metrics_log.exists() and (spec.work / "plan.json").exists():

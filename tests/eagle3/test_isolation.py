@@ -83,3 +83,52 @@ def test_a_killed_holder_frees_its_devices_at_once(tmp_path):
     start = time.monotonic()
     with lock_free_gpus(["0"], 1, tmp_path, timeout_s=5) as devices:
         assert devices == ["0"] and time.monotonic() - start < 1.5
+
+
+def report_pid_then_wait(on_progress) -> None:
+    on_progress(os.getpid())
+    time.sleep(120)
+
+
+# A flow process that starts a GPU child and is then killed (SIGKILL: no cleanup of its own runs).
+ORPHANING_PARENT = {
+    "attempt": """
+import sys
+sys.path.insert(0, sys.argv[1])
+from eagle3.isolation import run_attempt
+from test_isolation import report_pid_then_wait
+run_attempt(report_pid_then_wait, {}, ["0"], lambda pid: print(pid, flush=True))
+""",
+    "command": """
+import subprocess, sys
+from eagle3.isolation import dying_with_parent
+subprocess.Popen(dying_with_parent([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"])).wait()
+""",
+}
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    """Exited (or a zombie waiting for a reaper) within `within_s` seconds."""
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        try:
+            if "State:\tZ" in open(f"/proc/{pid}/status").read():
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("kind", sorted(ORPHANING_PARENT))
+def test_a_gpu_child_does_not_outlive_a_killed_flow_process(kind):
+    parent = subprocess.Popen([sys.executable, "-c", ORPHANING_PARENT[kind], os.path.dirname(__file__)], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        assert not _gone(child, 0.5)  # alive while its parent is
+        parent.kill()
+        parent.wait()
+        assert _gone(child, 20), f"the {kind} child outlived its killed parent"
+    finally:
+        if not _gone(child, 0):
+            os.kill(child, signal.SIGKILL)

@@ -40,6 +40,9 @@ __all__ = [
 ]
 
 
+logger = logging.getLogger(__name__)
+
+
 class ChildProcessFailed(RuntimeError):
     """The child died without a result (killed, crashed) or raised an exception that does not pickle."""
 
@@ -123,7 +126,7 @@ def halve_after_oom(knob: str, value: int, minimum: int, backoffs: list[dict], e
             f"{group}.min_{name} = {minimum}: {error}. {kept}"
         )
     backoffs.append({**record, name: value, "retry_with": value // 2, "error": error})
-    logging.getLogger(__name__).warning("%s ran out of memory %s at %s=%d; retrying with %d", group, where, knob, value, value // 2)
+    logger.warning("%s ran out of memory %s at %s=%d; retrying with %d", group, where, knob, value, value // 2)
     return value // 2
 
 

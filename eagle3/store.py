@@ -52,7 +52,7 @@ TEMP_SUFFIX = ".tmp"  # atomic_write_bytes' temp files: one left behind was a wr
 _CHUNK = 1 << 20
 
 M = TypeVar("M", bound="ArtifactManifest")
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class ArtifactError(RuntimeError):
@@ -135,7 +135,7 @@ def exclusive(lock: Path, what: str) -> Iterator[None]:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.warning("waiting for %s (%s is held by another process)", what, lock)
+            logger.warning("waiting for %s (%s is held by another process)", what, lock)
             fcntl.flock(handle, fcntl.LOCK_EX)
         yield  # released when the file closes
 

@@ -101,6 +101,8 @@ def main() -> None:
             "tokens": evaluation.num_tokens,
             "mismatches": evaluation.mismatches,
             **{f"{r['method']}_k{r['k']}": round(r["tau"], 3) for r in evaluation.results},
+            "eagle3_k3_accepted_by_position": [round(a, 3) for r in evaluation.results
+                                               if (r["method"], r["k"]) == ("eagle3", 3) for a in r["acceptance_by_position"]],
             "tau_sim": round(result.checkpoint.tau_sim, 3),
             "eval_seconds": round(evaluation.seconds or 0.0, 1),
         }
@@ -112,6 +114,13 @@ def main() -> None:
         "training_tokens": dataset["num_tokens"],
         "supervised_tokens": dataset["num_supervised_tokens"],
         "epochs": len(draft["epochs"]),
+        "draft": {  # how training went: validation by epoch, speed, where its wall time went
+            "by_epoch": [{k: round(v, 3) for k, v in e.items() if k in ("epoch", "val_loss", "tau_sim", "full_acc_0", "full_acc_1", "full_acc_2")}
+                         for e in draft["epochs"]],
+            "num_steps": draft["num_steps"],
+            "tokens_per_s": round(draft["tokens_per_s"]) if draft.get("tokens_per_s") else None,
+            "time_breakdown_s": draft.get("time_breakdown_s"),
+        },
         "eval": rows,
         "step_seconds": {kind: round(manifests[kind].get("seconds") or 0.0, 1) for kind in STEP_KINDS if kind in manifests},
     }
@@ -122,6 +131,8 @@ def main() -> None:
     for name, row in rows.items():
         print(f"| {name} | {' | '.join(str(row.get(c, '')) for c in columns)} |")
     print("\nwall seconds per step (first run): " + ", ".join(f"{k} {v}" for k, v in summary["step_seconds"].items()))
+    print(f"training: {summary['draft']['num_steps']} steps, median {summary['draft']['tokens_per_s']} tok/s, "
+          f"seconds by phase {summary['draft']['time_breakdown_s']}; by epoch {summary['draft']['by_epoch']}")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -35,8 +35,8 @@ def time_breakdown(timing_log: Path, started_at: float, ended_at: float) -> dict
     parts = dict.fromkeys(("startup", "first_step", "steps", "waiting_for_data", "validation"), 0.0)
     previous, first = started_at, True
     for record in _records(timing_log):
-        if record["ended_at"] < started_at:
-            continue  # an interrupted earlier run's, resumed by this one
+        if record["ended_at"] < started_at or not (record["validation"] or "step_ms" in record):
+            continue  # an interrupted earlier run's, resumed by this one; or no step (speculators' CLI logs its config)
         gap = record["ended_at"] - previous
         previous = record["ended_at"]
         if record["validation"]:

@@ -5,7 +5,8 @@
 
 DIR holds `instructions_train.jsonl` (train prompts: `prompt`), `mt_bench_questions.jsonl`
 (MT-bench, first turns evaluated) and `gsm8k_test_dev.jsonl` (`question`); `--eval-sets ... heldout`
-adds prompts held out of the training file. The pipeline flow runs once per eval set on one
+adds prompts held out of the training file; `--set key.sub=value ...` changes a size's settings
+(`--set train.epochs=20 regenerate.max_records=4000`). The pipeline flow runs once per eval set on one
 artifact store: each run after the first reuses every step but evaluation. Prints
 one table (training data, simulated tau, measured tau at k = 3 and 5 with the n-gram baseline, wall
 time per step) and writes it as JSON with `--json`.
@@ -20,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.config import PipelineConfig  # noqa: E402
+from eagle3.config import PipelineConfig, load_config  # noqa: E402
 
 SIZES = {
     "small": {
@@ -42,33 +43,49 @@ EVAL_SETS = {"mt_bench": "mt_bench_questions.jsonl", "gsm8k": "gsm8k_test_dev.js
 DEFAULT_EVAL_SETS = ["mt_bench", "gsm8k"]
 
 
-def eval_prompts(name: str, size: str, data: Path, store: Path) -> Path:
+def eval_prompts(name: str, cfg: PipelineConfig, data: Path, store: Path) -> Path:
     """An eval set's prompt file. `heldout`: the last prompts of `instructions_train.jsonl`, which
-    no size trains on (it takes the first records): the training distribution without the training
+    the run does not train on (it takes the first records): the training distribution without the training
     prompts, to tell how much of a gap to tau_sim comes from MT-bench and GSM8K being other prompts."""
     if EVAL_SETS[name] is not None:
         return data / EVAL_SETS[name]
     lines = [line for line in (data / "instructions_train.jsonl").read_text().splitlines() if line.strip()]
-    wanted, trained = SIZES[size]["evaluate"]["num_prompts"], SIZES[size]["regenerate"]["max_records"]
+    wanted, trained = cfg.evaluate.num_prompts, cfg.regenerate.max_records or len(lines)
     if len(lines) < trained + wanted:
-        raise SystemExit(f"heldout: instructions_train.jsonl has {len(lines)} records; size {size} trains on the first "
+        raise SystemExit(f"heldout: instructions_train.jsonl has {len(lines)} records; the run trains on the first "
                          f"{trained}, so it needs {trained + wanted} to hold {wanted} out")
     path = store.with_name(f"{store.name}-heldout-prompts.jsonl")
     path.write_text("\n".join(lines[-wanted:]) + "\n")
     return path
+
+
 STEP_KINDS = ["verifier", "regenerated", "dataset", "hidden_states", "vocab_mapping", "draft", "checkpoint", "evaluation"]
 
 
-def config(size: str, data: Path, store: Path, eval_file: Path) -> PipelineConfig:
+def _dotted(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _dotted(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def config(size: str, data: Path, store: Path, overrides: list[str]) -> PipelineConfig:
+    """The size's settings, then `overrides` (`key.sub=value`, as `eagle3 run` takes them)."""
     groups = SIZES[size]
-    return PipelineConfig.model_validate({
+    tree = {
         "store_dir": str(store),
         "dataset": {"path": str(data / "instructions_train.jsonl"), **groups["dataset"]},
         "regenerate": {"enabled": True, **groups["regenerate"]},
         "vocab": groups["vocab"],
         "train": groups["train"],
-        "evaluate": {"prompts_path": str(eval_file), **groups["evaluate"]},
-    })
+        "evaluate": groups["evaluate"],
+    }
+    return load_config(None, [f"{key}={json.dumps(value)}" for key, value in _dotted(tree)] + overrides)
+
+
+def with_eval_prompts(cfg: PipelineConfig, prompts: Path) -> PipelineConfig:
+    return cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"prompts_path": str(prompts)})})
 
 
 def _latest_run_manifests(store: Path) -> dict[str, dict]:
@@ -85,15 +102,18 @@ def main() -> None:
     parser.add_argument("--store", type=Path, default=Path("bench-quality-store"), help="artifact store (reused across runs)")
     parser.add_argument("--eval-sets", nargs="+", choices=sorted(EVAL_SETS), default=DEFAULT_EVAL_SETS,
                         help="evaluate on these (a later run with the same store reuses every other step)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="override the size's settings, e.g. train.epochs=20 regenerate.max_records=4000")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
     from flows.train_draft import train_eagle3_draft
 
     store, data = args.store.resolve(), args.data.resolve()
+    cfg = config(args.size, data, store, args.set)
     rows, manifests = {}, {}
     for name in args.eval_sets:
-        result = train_eagle3_draft(config(args.size, data, store, eval_prompts(name, args.size, data, store)))
+        result = train_eagle3_draft(with_eval_prompts(cfg, eval_prompts(name, cfg, data, store)))
         evaluation = result.evaluation
         manifests = manifests or _latest_run_manifests(store)  # the first run: it computed the shared steps
         rows[name] = {
@@ -110,6 +130,7 @@ def main() -> None:
     summary = {
         "size": args.size,
         "config": SIZES[args.size],
+        "overrides": args.set,
         "training_samples": dataset["num_records"],
         "training_tokens": dataset["num_tokens"],
         "supervised_tokens": dataset["num_supervised_tokens"],

@@ -145,14 +145,16 @@ def _read_new_lines(path: Path, offset: int) -> tuple[list[dict], int]:
     return [json.loads(line) for line in complete.splitlines()], offset + len(complete)
 
 
-def _torchrun(spec: TrainSpec, gpus: list[str], on_step) -> str | None:
+def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) -> str | None:
     """One attempt as `torchrun` with a process per GPU; returns the out-of-memory message, if any.
-    Progress is read from the metrics log the rank-0 process appends to."""
+    Progress is read from the metrics log the rank-0 process appends to. `torch.compile`'s cache
+    goes to `compile_cache` unless TORCHINDUCTOR_CACHE_DIR is set: compiling the draft cold takes
+    minutes on an H200, against seconds for epochs of steps, and /tmp may not outlive the machine."""
     spec_file = spec.work / "spec.json"
     spec_file.write_text(spec.model_dump_json())
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(gpus)}",
                "-m", "eagle3.train_worker", str(spec_file)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(compile_cache), **os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
     log_path = spec.work / "train.log"
     # Follow only what this attempt appends (a resumed run's log already holds earlier attempts).
     offset = spec.metrics_log.stat().st_size if spec.metrics_log.exists() else 0
@@ -220,7 +222,7 @@ def train_draft(
             init_checkpoint=init.path / init.checkpoint if init else None,
         )
         backoffs: list[dict] = []
-        while (oom := _torchrun(spec, gpus, on_step) if gpus else _in_process(spec, on_step)) is not None:
+        while (oom := _torchrun(spec, gpus, on_step, store.root / "compile-cache") if gpus else _in_process(spec, on_step)) is not None:
             halved = halve_after_oom(
                 "train.total_seq_len", spec.total_seq_len, cfg.min_total_seq_len, backoffs, oom, "in a training step",
                 f"Finished epochs are kept in {spec.checkpoints}: a re-run resumes from the last.",

@@ -158,13 +158,14 @@ def evaluate(
     """
     clock = Stopwatch()
     texts = read_prompts(prompts_path, cfg.num_prompts)
-    if cfg.backend == "vllm":
-        row = measure_served_acceptance(cfg, texts, prompts_path)
-        measured = _Measured(results=[row], num_tokens=row["tokens"], greedy_tokens_per_s=None, mismatches=None)
-    else:
-        measured = _measure_by_own_decoding(cfg, checkpoint, hidden_states, verifier, texts)
-
-    with store.work_dir("evaluation", provenance.key) as work:
+    with store.step_work_dir(EvalManifest, provenance) as (work, done):
+        if done is not None:
+            return done
+        if cfg.backend == "vllm":
+            row = measure_served_acceptance(cfg, texts, prompts_path)
+            measured = _Measured(results=[row], num_tokens=row["tokens"], greedy_tokens_per_s=None, mismatches=None)
+        else:
+            measured = _measure_by_own_decoding(cfg, checkpoint, hidden_states, verifier, texts)
         report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches}
         (work / "report.json").write_text(json.dumps(report, indent=2, default=float))
         return store.publish(

@@ -66,6 +66,10 @@ def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False)
         if not dry_run:
             for path in doomed:
                 shutil.rmtree(path)
+            published = store.root / "published"
+            for pointer in published.iterdir() if published.exists() else ():
+                if not store.artifact_dir(pointer.read_text()).exists():
+                    pointer.unlink()
             for record in records[:-keep_runs]:
                 record.unlink()
                 replay_file(record).unlink(missing_ok=True)

@@ -206,7 +206,9 @@ def prepare_dataset(
         ArtifactError: a record is unreadable, lacks its turns, or has an unknown role.
     """
     clock = Stopwatch()
-    with store.work_dir("dataset", provenance.key) as work:
+    with store.step_work_dir(DatasetManifest, provenance) as (work, done):
+        if done is not None:
+            return done
         for old in work.glob("*.parquet"):
             old.unlink()
         freq: Counter[int] = Counter()

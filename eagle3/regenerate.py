@@ -280,7 +280,9 @@ def regenerate(
     """
     clock = Stopwatch()
     records = read_user_turns(source, cfg.max_records)
-    with store.work_dir("regenerated", provenance.key) as work:
+    with store.step_work_dir(RegeneratedManifest, provenance) as (work, done):
+        if done is not None:
+            return done
         done_log = work / "done.jsonl"
         done = _read_done(done_log)
         todo = [r for r in records if r[0] not in done]

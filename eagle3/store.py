@@ -5,13 +5,15 @@ Layout under the store root:
     artifacts/<digest>/            one finished artifact; `manifest.json` is written last
     work/<step>-<key>/             a step's unfinished output, kept across crashes for resume
     locks/                         one lock file per work directory and per hidden-state shard
+    published/<kind>-<key>         the digest of the artifact published for a step's provenance key
     file-digests.json              memo of streamed file digests by (path, size, mtime)
 
 An artifact's digest is the sha256 over its files' relative paths and contents, so two runs
 that produce the same bytes share one directory. Publishing is a rename of a finished work
 directory whose files are on disk (fsynced), so a reader never sees half an artifact, even
 after a power loss. A step holds its work directory's lock while it runs: two runs of a step on
-the same inputs take turns instead of writing into one directory.
+the same inputs take turns instead of writing into one directory, and the later one returns what
+the earlier one published (`step_work_dir`) instead of doing the step again.
 """
 
 from __future__ import annotations
@@ -127,17 +129,20 @@ def digest_file(path: Path) -> str:
 
 
 @contextmanager
-def exclusive(lock: Path, what: str) -> Iterator[None]:
+def exclusive(lock: Path, what: str) -> Iterator[bool]:
     """Hold an exclusive lock on the file `lock` (created if missing). While another process holds
-    it, log that this one is waiting for `what`, then wait. The system releases it if the holder dies."""
+    it, log that this one is waiting for `what`, then wait. The system releases it if the holder dies.
+    Yields whether it had to wait."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
         except BlockingIOError:
             logger.warning("waiting for %s (%s is held by another process)", what, lock)
             fcntl.flock(handle, fcntl.LOCK_EX)
-        yield  # released when the file closes
+            waited = True
+        yield waited  # released when the file closes
 
 
 def _fsync(path: Path) -> None:
@@ -174,13 +179,34 @@ class ArtifactStore:
     def work_dir(self, step: str, key: str) -> Iterator[Path]:
         """A step's scratch directory, the same for the same key, so a re-run resumes in it; held
         for the step's duration, so a concurrent run of the same step on the same inputs waits."""
+        with self._held_work_dir(step, key) as (path, _):
+            yield path
+
+    @contextmanager
+    def step_work_dir(self, manifest_type: type[M], provenance: Provenance) -> Iterator[tuple[Path, M | None]]:
+        """`work_dir` for a step keyed by its provenance, and the artifact another run published for
+        the same provenance while this one waited for it: the step returns that instead of running
+        again (None: it did not wait, or the other run did not finish)."""
+        kind = manifest_type.model_fields["kind"].default
+        with self._held_work_dir(kind, provenance.key) as (path, waited):
+            pointer = self.root / "published" / f"{kind}-{provenance.key}"
+            done = None
+            if waited and pointer.exists() and (self.artifact_dir(digest := pointer.read_text()) / MANIFEST).exists():
+                logger.warning("%s: another run published it for the same inputs while this one waited; reusing %s", kind, digest[:12])
+                done = self.load(manifest_type, digest)
+            yield path, done
+
+    @contextmanager
+    def _held_work_dir(self, step: str, key: str) -> Iterator[tuple[Path, bool]]:
         name = f"{step}-{key[:24]}"
-        with exclusive(self.root / "locks" / f"{name}.lock", f"another run of step '{step}' on the same inputs"):
+        with exclusive(self.root / "locks" / f"{name}.lock", f"another run of step '{step}' on the same inputs") as waited:
             path = self.root / "work" / name
             path.mkdir(parents=True, exist_ok=True)
             for stale in path.rglob(f".*{TEMP_SUFFIX}"):  # a killed run's unfinished write, not part of any output
                 stale.unlink()
-            yield path
+            yield path, waited
+            if path.is_dir() and not any(path.iterdir()):  # nothing to resume (published, or never written)
+                path.rmdir()
 
     def artifact_dir(self, digest: str) -> Path:
         return self.root / "artifacts" / digest
@@ -227,6 +253,8 @@ class ArtifactStore:
         else:
             os.replace(work, final)
             _fsync(final.parent)
+        source = Provenance.model_validate(manifest.model_dump(include=set(Provenance.model_fields)))
+        atomic_write_text(self.root / "published" / f"{manifest.kind}-{source.key}", digest)
         return manifest
 
     def load(self, manifest_type: type[M], digest: str) -> M:

@@ -53,7 +53,9 @@ def write_jsonl(path: Path, records: list) -> Path:
 def work_dir_path(store, step: str, key: str):
     """A step's work directory, created and released at once: where a test plants what a killed run left."""
     with store.work_dir(step, key) as work:
-        return work
+        pass
+    work.mkdir(parents=True, exist_ok=True)  # an empty work dir is removed on release
+    return work
 
 
 def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str], manifest_type=None, **fields):

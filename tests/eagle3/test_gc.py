@@ -21,6 +21,8 @@ def test_gc_removes_only_what_the_kept_runs_did_not_reach(tmp_path):
     assert result["removed"] == 1
     assert not old.path.exists()
     assert new.path.exists() and dataset.path.exists()
+    # What a step reuses by provenance points only at artifacts still there.
+    assert sorted(p.read_text() for p in (store.root / "published").iterdir()) == sorted([dataset.digest, new.digest])
     assert sorted((store.root / "runs").iterdir()) == [kept, kept.with_suffix(".yaml")]  # a run's record and its replay file go together
 
 

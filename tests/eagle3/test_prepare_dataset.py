@@ -1,11 +1,20 @@
 from __future__ import annotations
 
+import fcntl
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
 import pyarrow.parquet as pq
 import pytest
 
 from conftest import write_jsonl
 from eagle3.config import DatasetConfig
-from eagle3.prepare_dataset import build_loss_mask, prepare_dataset, read_conversations
+from eagle3.prepare_dataset import DatasetManifest, build_loss_mask, prepare_dataset, read_conversations
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from tiny_models import CHATML, GENERATION, LLAMA3, tiny_tokenizer
 
@@ -121,3 +130,64 @@ def test_prepare_is_content_addressed(tmp_path, chatml, conversations):
 
     assert first.digest == second.digest
     assert (first.path / "manifest.json").exists()
+
+
+FIRST_RUN = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from tiny_models import CHATML, tiny_tokenizer
+from eagle3.config import DatasetConfig
+from eagle3.prepare_dataset import prepare_dataset
+from eagle3.store import ArtifactStore, Provenance
+print(prepare_dataset(DatasetConfig(), Path(sys.argv[2]), tiny_tokenizer(CHATML), ArtifactStore(sys.argv[1]), Provenance(config={"run": "same"})).model_dump_json())
+"""
+
+
+def _held_by_another_process(lock: Path) -> bool:
+    with open(lock, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+    return False
+
+
+def test_a_run_that_waited_for_the_same_step_returns_what_the_other_run_published(tmp_path, chatml, conversations):
+    """The source is a FIFO: the first run blocks reading it while it holds the step's work dir, and
+    a second run that read it too would block for good, as nothing writes to it a second time."""
+    store, provenance = ArtifactStore(tmp_path / "store"), Provenance(config={"run": "same"})
+    source = tmp_path / "conversations.fifo"
+    os.mkfifo(source)
+    first = subprocess.Popen([sys.executable, "-c", FIRST_RUN, str(store.root), str(source), str(Path(__file__).parents[1])],
+                             stdout=subprocess.PIPE, text=True)
+    lock = store.root / "locks" / f"dataset-{provenance.key[:24]}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + 60
+    while not _held_by_another_process(lock):
+        assert time.monotonic() < deadline and first.poll() is None, "the first run never took the step's work dir"
+        time.sleep(0.1)
+    waits = []
+    waiting = logging.Handler()
+    waiting.emit = lambda record: waits.append(record.getMessage())
+    logging.getLogger("eagle3.store").addHandler(waiting)
+    second = []
+    thread = threading.Thread(target=lambda: second.append(prepare_dataset(DatasetConfig(), source, chatml, store, provenance)))
+    try:
+        thread.start()
+        while not any("waiting for another run of step 'dataset'" in m for m in waits):
+            assert time.monotonic() < deadline, "the second run did not wait"
+            time.sleep(0.1)
+        source.write_text(conversations.read_text())  # the first run reads it, publishes, releases
+        published = DatasetManifest.model_validate_json(first.communicate(timeout=60)[0])
+        thread.join(30)
+        assert not thread.is_alive(), "the second run did the step again: it is blocked reading the source"
+    finally:
+        logging.getLogger("eagle3.store").removeHandler(waiting)
+        first.kill()
+        if thread.is_alive():
+            os.close(os.open(source, os.O_WRONLY))  # let it read an empty source and fail
+            thread.join(30)
+
+    assert second == [published]  # the same manifest: its run time and producer too, so not a second run's
+    assert any("another run published it for the same inputs" in m for m in waits)

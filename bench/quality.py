@@ -120,6 +120,7 @@ def main() -> None:
             "prompts": evaluation.num_prompts,
             "tokens": evaluation.num_tokens,
             "mismatches": evaluation.mismatches,
+            "eagle3_token_accuracy": round(evaluation.draft_token_accuracy, 3) if evaluation.draft_token_accuracy is not None else None,
             **{f"{r['method']}_k{r['k']}": round(r["tau"], 3) for r in evaluation.results},
             "eagle3_k3_accepted_by_position": [round(a, 3) for r in evaluation.results
                                                if (r["method"], r["k"]) == ("eagle3", 3) for a in r["acceptance_by_position"]],
@@ -147,7 +148,8 @@ def main() -> None:
     }
     print(f"\nsize {args.size}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
           f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs")
-    columns = ["tau_sim", "eagle3_k3", "ngram_k3", "eagle3_k5", "ngram_k5", "prompts", "tokens", "mismatches", "eval_seconds"]
+    columns = ["tau_sim", "eagle3_k3", "ngram_k3", "eagle3_k5", "ngram_k5", "eagle3_token_accuracy", "prompts", "tokens", "mismatches",
+               "eval_seconds"]
     print(f"| eval set | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
     for name, row in rows.items():
         print(f"| {name} | {' | '.join(str(row.get(c, '')) for c in columns)} |")

@@ -7,7 +7,9 @@ is compared token for token with the plain one; the report counts any difference
 
 Output `report.json`: per method and k, tau (tokens per verifier pass), the acceptance rate of
 each draft position, tokens/s, and the number of prompts and tokens; plus the training-time
-simulated tau for comparison. Cost: (1 + 2 x len(ks)) decodes per prompt.
+simulated tau for comparison, and the draft's teacher-forced first-token accuracy on the greedy
+outputs (`draft_token_accuracy`: what validation's step-0 accuracy would be on these prompts,
+counted per token rather than per verifier pass). Cost: (1 + 2 x len(ks)) decodes per prompt.
 
 Backend `vllm` instead reads the same figures for the draft from a vLLM server that serves it
 (`eagle3.served_acceptance`), at the server's k, without the baselines.
@@ -29,7 +31,7 @@ from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStateCapture, HiddenStatesManifest, resolve_device
 from eagle3.prepare_dataset import read_user_turns
 from eagle3.served_acceptance import measure_served_acceptance
-from eagle3.speculative import DecodeStats, Eagle3Proposer, NgramProposer, greedy_decode, speculative_decode
+from eagle3.speculative import DecodeStats, Eagle3Proposer, NgramProposer, draft_token_accuracy, greedy_decode, speculative_decode
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.verifier import VerifierManifest, eos_token_ids, load_text_model, load_tokenizer
 
@@ -48,6 +50,7 @@ class EvalManifest(ArtifactManifest):
     results: list[dict]
     greedy_tokens_per_s: float | None  # None: not measured (backend 'vllm')
     mismatches: int | None
+    draft_token_accuracy: float | None = None  # teacher-forced step-0 accuracy on the greedy outputs (None: backend 'vllm')
 
 
 def eval_prompts_source(cfg: EvalConfig) -> Path:
@@ -97,6 +100,7 @@ class _Measured:
     num_tokens: int
     greedy_tokens_per_s: float | None
     mismatches: int | None
+    draft_token_accuracy: float | None
 
 
 def _measure_by_own_decoding(
@@ -115,11 +119,13 @@ def _measure_by_own_decoding(
         for p in texts
     ]
     runs: dict[tuple[str, int], list[DecodeStats]] = {}
-    reference_runs, mismatches = [], 0
+    reference_runs, mismatches, correct, drafted = [], 0, 0, 0
     try:
         for prompt in tqdm(prompts, desc="evaluate", unit="prompt"):
             reference = greedy_decode(model, list(prompt), cfg.max_new_tokens, eos_ids)
             reference_runs.append(reference)
+            right, total = draft_token_accuracy(model, capture, draft, list(prompt), reference.tokens)
+            correct, drafted = correct + right, drafted + total
             for method, proposer in (("eagle3", draft), ("ngram", NgramProposer())):
                 for k in cfg.ks:
                     run = speculative_decode(model, capture, proposer, list(prompt), cfg.max_new_tokens, k, eos_ids)
@@ -135,6 +141,7 @@ def _measure_by_own_decoding(
         num_tokens=num_tokens,
         greedy_tokens_per_s=num_tokens / sum(r.seconds for r in reference_runs),
         mismatches=mismatches,
+        draft_token_accuracy=correct / drafted if drafted else None,
     )
 
 
@@ -163,10 +170,12 @@ def evaluate(
             return done
         if cfg.backend == "vllm":
             row = measure_served_acceptance(cfg, texts, prompts_path)
-            measured = _Measured(results=[row], num_tokens=row["tokens"], greedy_tokens_per_s=None, mismatches=None)
+            measured = _Measured(results=[row], num_tokens=row["tokens"], greedy_tokens_per_s=None, mismatches=None,
+                             draft_token_accuracy=None)
         else:
             measured = _measure_by_own_decoding(cfg, checkpoint, hidden_states, verifier, texts)
-        report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches}
+        report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches,
+                  "draft_token_accuracy": measured.draft_token_accuracy}
         (work / "report.json").write_text(json.dumps(report, indent=2, default=float))
         return store.publish(
             work,
@@ -179,6 +188,7 @@ def evaluate(
                 results=measured.results,
                 greedy_tokens_per_s=measured.greedy_tokens_per_s,
                 mismatches=measured.mismatches,
+                draft_token_accuracy=measured.draft_token_accuracy,
                 seconds=clock(),
             ),
         )

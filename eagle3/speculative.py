@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from eagle3.extract_hidden_states import HiddenStateCapture
 
-__all__ = ["DecodeStats", "Eagle3Proposer", "NgramProposer", "greedy_decode", "speculative_decode"]
+__all__ = ["DecodeStats", "Eagle3Proposer", "NgramProposer", "draft_token_accuracy", "greedy_decode", "speculative_decode"]
 
 
 @dataclass
@@ -80,23 +80,26 @@ class Eagle3Proposer:
         self.aux.append(aux_states)
 
     def _layers(self, hidden, mask, position_ids, cache):
-        """The draft's layers over `hidden`; returns the last position's output state and logits
-        (only the last position is drafted from, so only it goes through the vocabulary head)."""
+        """The draft's layers over `hidden`, at every position."""
         draft = self.draft
         position_embeddings = draft.rotary_emb(hidden, position_ids)
         for layer in draft.layers:
             hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
                            position_embeddings=position_embeddings)
-        last = hidden[:, -1:]
-        if draft.config.norm_output:
-            last = draft.norm(last)
-            return last, draft.lm_head(last)
-        return last, draft.lm_head(draft.norm(last))
+        return hidden
 
-    @torch.inference_mode()
-    def propose(self, context: list[int], k: int) -> list[int]:
+    def _head(self, hidden):
+        """The state the next TTT step reads, and the vocabulary logits (draft ids)."""
         draft = self.draft
-        aux = torch.cat(self.aux)  # [n_confirmed - 1 .. , 3, H]: states of context[:-1]
+        if draft.config.norm_output:
+            hidden = draft.norm(hidden)
+            return hidden, draft.lm_head(hidden)
+        return hidden, draft.lm_head(draft.norm(hidden))
+
+    def _first_step(self, context: list[int], aux: torch.Tensor, cache):
+        """TTT step 0 over the context: at the position of token context[i+1] the draft reads
+        embed(context[i+1]) and fc(aux states of context[i]). Returns the layers' output [1, n, H]."""
+        draft = self.draft
         n = aux.shape[0]
         assert n == len(context) - 1, (n, len(context))
         features = aux.reshape(1, n, -1).to(draft.fc.weight.dtype)
@@ -107,20 +110,36 @@ class Eagle3Proposer:
         hidden = torch.cat([draft.embed_tokens(ids), features], dim=-1)
         position_ids = torch.arange(1, n + 1, device=features.device).unsqueeze(0)
         causal = torch.full((n, n), float("-inf"), device=features.device, dtype=features.dtype).triu(1)
+        return self._layers(hidden, causal[None, None], position_ids, cache)
+
+    def _to_verifier_ids(self, draft_ids: torch.Tensor) -> list[int]:
+        return (draft_ids + self.draft.d2t[draft_ids]).tolist()
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int) -> list[int]:
+        draft = self.draft
+        n = len(context) - 1
         cache = DynamicCache()
-        last_hidden, last_logits = self._layers(hidden, causal[None, None], position_ids, cache)
+        last_hidden, last_logits = self._head(self._first_step(context, torch.cat(self.aux), cache)[:, -1:])
         proposal = []
         for step in range(k):
-            draft_id = int(last_logits.argmax(-1))
-            token = draft_id + int(draft.d2t[draft_id])
+            [token] = self._to_verifier_ids(last_logits[0, -1].argmax(-1, keepdim=True))
             proposal.append(token)
             if step == k - 1:
                 break
-            embeds = draft.embed_tokens(torch.tensor([[token]], device=features.device))
+            embeds = draft.embed_tokens(torch.tensor([[token]], device=last_hidden.device))
             hidden = torch.cat([embeds, last_hidden], dim=-1)
-            position_ids = torch.tensor([[n + 1 + step]], device=features.device)
-            last_hidden, last_logits = self._layers(hidden, None, position_ids, cache)
+            position_ids = torch.tensor([[n + 1 + step]], device=last_hidden.device)
+            last_hidden, last_logits = self._head(self._layers(hidden, None, position_ids, cache))
         return proposal
+
+    @torch.inference_mode()
+    def first_tokens(self, sequence: list[int], aux: torch.Tensor) -> list[int]:
+        """What the draft proposes first after each prefix `sequence[:i + 2]`, i = 0 .. len - 2, from
+        one forward: teacher-forced, as validation's step-0 accuracy is measured. `aux`: the
+        verifier's aux states of sequence[:-1]."""
+        _, logits = self._head(self._first_step(sequence, aux, None))
+        return self._to_verifier_ids(logits[0].argmax(-1))
 
 
 def _forward(model, capture, ids: list[int], cache, device):
@@ -160,6 +179,21 @@ def speculative_decode(model, capture: HiddenStateCapture, proposer, prompt: lis
             context.append(token)
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+@torch.inference_mode()
+def draft_token_accuracy(model, capture: HiddenStateCapture, proposer: Eagle3Proposer, prompt: list[int], continuation: list[int]) -> tuple[int, int]:
+    """(correct, total) over the positions a draft is asked for (every generated token but the
+    first): is the draft's first token after the true prefix the next token of `continuation`, the
+    verifier's greedy output? Validation's step-0 accuracy, per token, on the eval prompts; measured
+    acceptance counts per verifier pass instead, and passes start more often where drafting is hard."""
+    sequence = prompt + continuation
+    drafted = range(len(prompt) - 1, len(sequence) - 2)  # predicted[i] is the proposal for sequence[i + 2]
+    if not drafted:
+        return 0, 0
+    model(input_ids=torch.tensor([sequence[:-1]], device=next(model.parameters()).device))
+    predicted = proposer.first_tokens(sequence, capture.stacked()[0, :, :-1].float())
+    return sum(predicted[i] == sequence[i + 2] for i in drafted), len(drafted)
 
 
 @torch.inference_mode()

@@ -13,7 +13,7 @@ from eagle3.export import export_checkpoint
 from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_states
 from eagle3.prepare_dataset import prepare_dataset
 from eagle3.served_acceptance import read_spec_decode_counters
-from eagle3.speculative import Eagle3Proposer, NgramProposer, greedy_decode, speculative_decode
+from eagle3.speculative import Eagle3Proposer, NgramProposer, draft_token_accuracy, greedy_decode, speculative_decode
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.train import train_draft
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
@@ -125,6 +125,55 @@ def test_every_drafted_token_matches_its_training_forward(exported, verifier_mod
     assert chain == [int(t.argmax()) + int(draft.d2t[int(t.argmax())]) for t in trained]
 
 
+def test_teacher_forced_first_tokens_are_the_proposals_and_the_training_step_0(exported, verifier_model):
+    """`first_tokens` is what `propose` drafts first after every prefix, and the argmax of the
+    training forward's step-0 logits at every position: the per-token accuracy validation reports."""
+    store, verifier, hidden, checkpoint = exported
+    model, capture = verifier_model
+    draft = load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double()
+    sequence = PROMPT + [900, 17, 400, 52, 3, 71]
+    with torch.no_grad():
+        model(input_ids=torch.tensor([sequence]))
+    aux = capture.stacked()[0, :-1, :-1]  # states of sequence[:-1]
+    proposer = Eagle3Proposer(draft)
+
+    predicted = proposer.first_tokens(sequence, aux)
+
+    assert len(predicted) == len(sequence) - 1
+    for end in range(2, len(sequence) + 1):
+        proposer.reset(end)
+        proposer.observe(aux[: end - 1])
+        assert proposer.propose(sequence[:end], 1) == [predicted[end - 2]], end
+    logits = []
+    hook = draft.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[0]))
+    n = len(sequence) - 1
+    with torch.no_grad():
+        draft(hidden_states=aux.reshape(1, n, -1), input_ids=torch.tensor([sequence[1:]]),
+              document_ids=torch.zeros(1, n, dtype=torch.long), position_ids=torch.arange(1, n + 1)[None], ttt_steps=1)
+    hook.remove()
+    step0 = logits[0].argmax(-1)
+    assert predicted == (step0 + draft.d2t[step0]).tolist()
+
+
+def test_draft_token_accuracy_counts_each_first_proposal_against_the_next_token(exported, verifier_model):
+    """A continuation built from the draft's own first proposals, with every third one replaced:
+    exactly the kept ones count as correct (the first token is the verifier's own, never drafted)."""
+    store, verifier, hidden, checkpoint = exported
+    model, capture = verifier_model
+    proposer = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double())
+    continuation = [900]
+    for m in range(1, 12):
+        context = PROMPT + continuation
+        with torch.no_grad():
+            model(input_ids=torch.tensor([context[:-1]]))
+        proposer.reset(len(PROMPT))
+        proposer.observe(capture.stacked()[0, :, :-1])
+        [proposed] = proposer.propose(context, 1)
+        continuation.append(proposed if m % 3 else (proposed + 1) % 900)
+
+    assert draft_token_accuracy(model, capture, proposer, PROMPT, continuation) == (8, 11)
+
+
 def test_evaluate_reports_tau_per_method_and_k(exported):
     store, verifier, hidden, checkpoint = exported
     cfg = EvalConfig(num_prompts=2, max_new_tokens=24, ks=[2, 4])
@@ -139,6 +188,7 @@ def test_evaluate_reports_tau_per_method_and_k(exported):
         assert len(r["acceptance_by_position"]) == r["k"]
         assert r["tau"] == pytest.approx(1 + sum(r["acceptance_by_position"]))
     assert json.loads((manifest.path / "report.json").read_text())["results"] == manifest.results
+    assert 0.0 <= manifest.draft_token_accuracy <= 1.0
 
 
 def test_prompt_file_without_a_prompt_field_names_the_record(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.config import PipelineConfig, load_config  # noqa: E402
+from eagle3.config import ConfigError, PipelineConfig, load_config  # noqa: E402
 
 SIZES = {
     "small": {
@@ -110,7 +110,12 @@ def main() -> None:
     from flows.train_draft import train_eagle3_draft
 
     store, data = args.store.resolve(), args.data.resolve()
-    cfg = config(args.size, data, store, args.set)
+    if any(item.startswith("evaluate.prompts_path") for item in args.set):
+        parser.error("--set evaluate.prompts_path: the eval sets choose the prompts (--eval-sets)")
+    try:
+        cfg = config(args.size, data, store, args.set)
+    except ConfigError as exc:
+        parser.error(str(exc))
     rows, manifests = {}, {}
     for name in args.eval_sets:
         result = train_eagle3_draft(with_eval_prompts(cfg, eval_prompts(name, cfg, data, store)))
@@ -120,7 +125,7 @@ def main() -> None:
             "prompts": evaluation.num_prompts,
             "tokens": evaluation.num_tokens,
             "mismatches": evaluation.mismatches,
-            "eagle3_token_accuracy": round(evaluation.draft_token_accuracy, 3) if evaluation.draft_token_accuracy is not None else None,
+            "draft_token_accuracy": round(evaluation.draft_token_accuracy, 3) if evaluation.draft_token_accuracy is not None else None,
             **{f"{r['method']}_k{r['k']}": round(r["tau"], 3) for r in evaluation.results},
             "eagle3_k3_accepted_by_position": [round(a, 3) for r in evaluation.results
                                                if (r["method"], r["k"]) == ("eagle3", 3) for a in r["acceptance_by_position"]],
@@ -148,7 +153,7 @@ def main() -> None:
     }
     print(f"\nsize {args.size}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
           f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs")
-    columns = ["tau_sim", "eagle3_k3", "ngram_k3", "eagle3_k5", "ngram_k5", "eagle3_token_accuracy", "prompts", "tokens", "mismatches",
+    columns = ["tau_sim", "eagle3_k3", "ngram_k3", "eagle3_k5", "ngram_k5", "draft_token_accuracy", "prompts", "tokens", "mismatches",
                "eval_seconds"]
     print(f"| eval set | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
     for name, row in rows.items():

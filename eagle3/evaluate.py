@@ -9,7 +9,8 @@ Output `report.json`: per method and k, tau (tokens per verifier pass), the acce
 each draft position, tokens/s, and the number of prompts and tokens; plus the training-time
 simulated tau for comparison, and the draft's teacher-forced first-token accuracy on the greedy
 outputs (`draft_token_accuracy`: what validation's step-0 accuracy would be on these prompts,
-counted per token rather than per verifier pass). Cost: (1 + 2 x len(ks)) decodes per prompt.
+counted per token rather than per verifier pass). Cost: (1 + 2 x len(ks)) decodes per prompt, and
+one forward of the verifier and the draft over each greedy output.
 
 Backend `vllm` instead reads the same figures for the draft from a vLLM server that serves it
 (`eagle3.served_acceptance`), at the server's k, without the baselines.
@@ -163,15 +164,15 @@ def evaluate(
         EndpointError: (backend 'vllm') the server is unreachable, does not serve
             `endpoint.model`, or runs without a draft.
     """
-    clock = Stopwatch()
     texts = read_prompts(prompts_path, cfg.num_prompts)
-    with store.step_work_dir(EvalManifest, provenance) as (work, done):
-        if done is not None:
-            return done
+    with store.step_work_dir(EvalManifest, provenance) as (work, published):
+        if published is not None:
+            return published
+        clock = Stopwatch()  # not counting a wait for another run of this step
         if cfg.backend == "vllm":
             row = measure_served_acceptance(cfg, texts, prompts_path)
             measured = _Measured(results=[row], num_tokens=row["tokens"], greedy_tokens_per_s=None, mismatches=None,
-                             draft_token_accuracy=None)
+                                 draft_token_accuracy=None)
         else:
             measured = _measure_by_own_decoding(cfg, checkpoint, hidden_states, verifier, texts)
         report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches,

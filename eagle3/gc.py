@@ -67,7 +67,7 @@ def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False)
             for path in doomed:
                 shutil.rmtree(path)
             published = store.root / "published"
-            for pointer in published.iterdir() if published.exists() else ():
+            for pointer in published.glob("[!.]*") if published.exists() else ():  # not a write in progress
                 if not store.artifact_dir(pointer.read_text()).exists():
                     pointer.unlink()
             for record in records[:-keep_runs]:

@@ -205,10 +205,10 @@ def prepare_dataset(
     Raises:
         ArtifactError: a record is unreadable, lacks its turns, or has an unknown role.
     """
-    clock = Stopwatch()
-    with store.step_work_dir(DatasetManifest, provenance) as (work, done):
-        if done is not None:
-            return done
+    with store.step_work_dir(DatasetManifest, provenance) as (work, published):
+        if published is not None:
+            return published
+        clock = Stopwatch()  # not counting a wait for another run of this step
         for old in work.glob("*.parquet"):
             old.unlink()
         freq: Counter[int] = Counter()

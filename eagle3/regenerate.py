@@ -278,11 +278,11 @@ def regenerate(
         RuntimeError: (backend 'transformers') out of memory even at `cfg.min_batch_size`; the
             records finished so far are kept for the re-run.
     """
-    clock = Stopwatch()
     records = read_user_turns(source, cfg.max_records)
-    with store.step_work_dir(RegeneratedManifest, provenance) as (work, done):
-        if done is not None:
-            return done
+    with store.step_work_dir(RegeneratedManifest, provenance) as (work, published):
+        if published is not None:
+            return published
+        clock = Stopwatch()  # not counting a wait for another run of this step
         done_log = work / "done.jsonl"
         done = _read_done(done_log)
         todo = [r for r in records if r[0] not in done]

@@ -191,7 +191,7 @@ def draft_token_accuracy(model, capture: HiddenStateCapture, proposer: Eagle3Pro
     drafted = range(len(prompt) - 1, len(sequence) - 2)  # predicted[i] is the proposal for sequence[i + 2]
     if not drafted:
         return 0, 0
-    model(input_ids=torch.tensor([sequence[:-1]], device=next(model.parameters()).device))
+    model(input_ids=torch.tensor([sequence[:-1]], device=next(model.parameters()).device), use_cache=False)
     predicted = proposer.first_tokens(sequence, capture.stacked()[0, :, :-1].float())
     return sum(predicted[i] == sequence[i + 2] for i in drafted), len(drafted)
 

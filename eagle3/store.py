@@ -6,6 +6,7 @@ Layout under the store root:
     work/<step>-<key>/             a step's unfinished output, kept across crashes for resume
     locks/                         one lock file per work directory and per hidden-state shard
     published/<kind>-<key>         the digest of the artifact published for a step's provenance key
+    compile-cache/                 torch.compile's cache for GPU training (TORCHINDUCTOR_CACHE_DIR)
     file-digests.json              memo of streamed file digests by (path, size, mtime)
 
 An artifact's digest is the sha256 over its files' relative paths and contents, so two runs
@@ -193,7 +194,8 @@ class ArtifactStore:
             done = None
             if waited and pointer.exists() and (self.artifact_dir(digest := pointer.read_text()) / MANIFEST).exists():
                 logger.warning("%s: another run published it for the same inputs while this one waited; reusing %s", kind, digest[:12])
-                done = self.load(manifest_type, digest)
+                # The stored manifest is its first publisher's, whose provenance may differ (same bytes).
+                done = self.load(manifest_type, digest).model_copy(update=provenance.model_dump())
             yield path, done
 
     @contextmanager
@@ -204,9 +206,11 @@ class ArtifactStore:
             path.mkdir(parents=True, exist_ok=True)
             for stale in path.rglob(f".*{TEMP_SUFFIX}"):  # a killed run's unfinished write, not part of any output
                 stale.unlink()
-            yield path, waited
-            if path.is_dir() and not any(path.iterdir()):  # nothing to resume (published, or never written)
-                path.rmdir()
+            try:
+                yield path, waited
+            finally:
+                if path.is_dir() and not any(path.iterdir()):  # nothing to resume (published, or never written)
+                    path.rmdir()
 
     def artifact_dir(self, digest: str) -> Path:
         return self.root / "artifacts" / digest

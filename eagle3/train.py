@@ -212,9 +212,9 @@ def train_draft(
     checkpoint with half the `total_seq_len`, down to `cfg.min_total_seq_len`.
     `on_step(step, total, metrics)` is called after every optimizer step (for progress reports).
     """
-    with store.step_work_dir(DraftManifest, provenance) as (work, done):
-        if done is not None:
-            return done
+    with store.step_work_dir(DraftManifest, provenance) as (work, published):
+        if published is not None:
+            return published
         clock, started_at = Stopwatch(), time.time()  # not counting a wait for another run of this step
         _speculators_data_dir(work, dataset, hidden_states)
         spec = TrainSpec(

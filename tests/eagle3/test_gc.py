@@ -11,8 +11,9 @@ from eagle3.store import ArtifactError, ArtifactStore
 def test_gc_removes_only_what_the_kept_runs_did_not_reach(tmp_path):
     store = ArtifactStore(tmp_path)
     dataset = publish_text_artifact(store, "dataset", "shared", {"source": "f" * 64})
-    old = publish_text_artifact(store, "draft", "old", {"dataset": dataset.digest})
-    new = publish_text_artifact(store, "draft", "new", {"dataset": dataset.digest})
+    old = publish_text_artifact(store, "draft", "old", {"dataset": dataset.digest}, config={"lr": 1e-3})
+    new = publish_text_artifact(store, "draft", "new", {"dataset": dataset.digest}, config={"lr": 3e-4})
+    assert sorted(p.read_text() for p in (store.root / "published").iterdir()) == sorted([dataset.digest, old.digest, new.digest])
     record_run(store, "run-1", [old.digest], {"train": {"lr": 1e-3}})
     kept = record_run(store, "run-2", [new.digest], {"train": {"lr": 3e-4}})
 

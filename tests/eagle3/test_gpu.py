@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -69,7 +70,8 @@ def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_
 
     assert draft.num_steps > 0 and draft.tau_sim >= 1.0 and draft.backoffs == []
     assert set(draft.gpu_memory_after_mib) == set(gpus)
-    assert any((store.root / "compile-cache").rglob("*.py")), "torch.compile's cache is kept with the store"
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        assert any((store.root / "compile-cache").rglob("*.py")), "torch.compile's cache is kept with the store"
     model = load_text_model(verifier.path, torch.float32, "cuda")
     capture = HiddenStateCapture(model.get_decoder(), AUX)
     proposer = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cuda")).float())

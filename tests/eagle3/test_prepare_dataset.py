@@ -153,6 +153,20 @@ def _held_by_another_process(lock: Path) -> bool:
     return False
 
 
+def _write_once_read(fifo: Path, text: str, deadline: float) -> None:
+    """Write `text` into `fifo` once a reader has it open, failing at `deadline` rather than hanging."""
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError:  # no reader yet
+            assert time.monotonic() < deadline, f"nothing opened {fifo} for reading"
+            time.sleep(0.1)
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def test_a_run_that_waited_for_the_same_step_returns_what_the_other_run_published(tmp_path, chatml, conversations):
     """The source is a FIFO: the first run blocks reading it while it holds the step's work dir, and
     a second run that read it too would block for good, as nothing writes to it a second time."""
@@ -178,7 +192,7 @@ def test_a_run_that_waited_for_the_same_step_returns_what_the_other_run_publishe
         while not any("waiting for another run of step 'dataset'" in m for m in waits):
             assert time.monotonic() < deadline, "the second run did not wait"
             time.sleep(0.1)
-        source.write_text(conversations.read_text())  # the first run reads it, publishes, releases
+        _write_once_read(source, conversations.read_text(), deadline)  # the first run reads it, publishes, releases
         published = DatasetManifest.model_validate_json(first.communicate(timeout=60)[0])
         thread.join(30)
         assert not thread.is_alive(), "the second run did the step again: it is blocked reading the source"
@@ -191,3 +205,12 @@ def test_a_run_that_waited_for_the_same_step_returns_what_the_other_run_publishe
 
     assert second == [published]  # the same manifest: its run time and producer too, so not a second run's
     assert any("another run published it for the same inputs" in m for m in waits)
+
+
+def test_a_run_that_did_not_wait_does_the_step_even_when_its_inputs_were_published(tmp_path, chatml, conversations):
+    store, provenance = ArtifactStore(tmp_path / "store"), Provenance(config={"run": "same"})
+    prepare_dataset(DatasetConfig(), conversations, chatml, store, provenance)
+
+    with store.step_work_dir(DatasetManifest, provenance) as (work, published):
+        assert published is None and work.is_dir()
+    assert not work.exists()  # nothing was written in it: an empty work dir goes on release

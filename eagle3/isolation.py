@@ -3,8 +3,8 @@
 A failed attempt then leaves nothing behind in the long-lived flow process (no allocator cache, no
 exception frames pinning tensors), so a retry with a smaller batch starts from an empty GPU. The
 child is spawned (CUDA cannot be forked), sees only the devices it was given
-(`CUDA_VISIBLE_DEVICES`), streams progress back over a pipe and returns a small picklable
-result. Exceptions come back as themselves where they pickle, `torch.OutOfMemoryError`
+(`CUDA_VISIBLE_DEVICES`), streams progress and its `eagle3` log records back over a pipe (so its
+warnings reach the flow's log) and returns a small picklable result. Exceptions come back as themselves where they pickle, `torch.OutOfMemoryError`
 included, so callers back off the same way whether an attempt ran in a child or in-process.
 """
 
@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -61,20 +62,41 @@ def dying_with_parent(command: list[str]) -> list[str]:
     return [sys.executable, "-c", start, str(os.getpid()), *command]
 
 
-def _child_main(fn: Callable, kwargs: dict, visible_devices: list[str] | None, conn, parent_pid: int) -> None:
+class _ToParent(logging.Handler):
+    """Sends each record, formatted, to the parent, which logs it again under the same name."""
+
+    def __init__(self, send: Callable[[str, Any], None]):
+        super().__init__()
+        self.send = send
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.send("log", (record.name, record.levelno, record.getMessage()))
+
+
+def _child_main(fn: Callable, kwargs: dict, visible_devices: list[str] | None, conn, parent_pid: int, log_level: int) -> None:
     die_with_parent(parent_pid)
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, visible_devices))
+    sending = threading.Lock()  # records also come from the step's worker threads
+
+    def send(kind: str, payload: Any) -> None:
+        with sending:
+            conn.send((kind, payload))
+
+    library = logging.getLogger("eagle3")
+    library.setLevel(log_level)
+    library.addHandler(_ToParent(send))
+    library.propagate = False
     try:
-        result = fn(**kwargs, on_progress=lambda *args: conn.send(("progress", args)))
-        conn.send(("result", result))
+        result = fn(**kwargs, on_progress=lambda *args: send("progress", args))
+        send("result", result)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         try:
             payload = pickle.dumps(exc)
             pickle.loads(payload)
         except Exception:  # noqa: BLE001
             payload = pickle.dumps(ChildProcessFailed(f"{type(exc).__name__}: {exc}"))
-        conn.send(("error", (payload, traceback.format_exc())))
+        send("error", (payload, traceback.format_exc()))
     finally:
         conn.close()
 
@@ -87,7 +109,8 @@ def run_attempt(fn: Callable[..., Any], kwargs: dict, visible_devices: list[str]
         return fn(**kwargs, on_progress=forward)
     ctx = mp.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child_main, args=(fn, kwargs, visible_devices, send, os.getpid()), name=f"eagle3-{fn.__name__}")
+    log_level = logging.getLogger("eagle3").getEffectiveLevel()
+    child = ctx.Process(target=_child_main, args=(fn, kwargs, visible_devices, send, os.getpid(), log_level), name=f"eagle3-{fn.__name__}")
     child.start()
     send.close()
     outcome = None
@@ -99,6 +122,9 @@ def run_attempt(fn: Callable[..., Any], kwargs: dict, visible_devices: list[str]
                 break
             if kind == "progress":
                 forward(*payload)
+            elif kind == "log":
+                name, level, message = payload
+                logging.getLogger(name).log(level, message)
             else:
                 outcome = kind, payload
     finally:

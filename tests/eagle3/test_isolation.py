@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -37,6 +38,20 @@ def test_an_attempt_runs_in_a_child_that_sees_only_its_devices():
     assert result["pid"] != os.getpid()
     assert result["visible"] == "2,5"
     assert progress == [(1, 3), (2, 3), (3, 3)]
+
+
+def log_in_child(on_progress) -> None:
+    logging.getLogger("eagle3.extract_hidden_states").warning("waiting for shard %d", 3)
+    logging.getLogger("eagle3.extract_hidden_states").debug("below the flow's level: not sent")
+    logging.getLogger("other").warning("not the library's: stays in the child")
+
+
+def test_a_child_s_library_log_records_are_logged_in_this_process(caplog):
+    with caplog.at_level(logging.INFO, logger="eagle3"):
+        run_attempt(log_in_child, {}, ["0"])
+
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("eagle3.extract_hidden_states", logging.WARNING, "waiting for shard 3")]
 
 
 def test_without_devices_the_attempt_runs_in_this_process():

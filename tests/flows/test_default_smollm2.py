@@ -45,6 +45,7 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     assert {(r["method"], r["k"]) for r in evaluation["results"]} == {("eagle3", 3), ("eagle3", 5), ("ngram", 3), ("ngram", 5)}
     assert all(r["tau"] >= 1.0 for r in evaluation["results"])
     assert "eagle3 k=3: tau" in printed
+    assert f"per token as in validation: {evaluation['draft_token_accuracy']:.3f}" in printed
     [replay] = (store / "runs").glob("*.yaml")
     assert f"replay: eagle3 run --config {replay}" in printed
     assert "promoted: tau" in printed and "first checkpoint evaluated on this verifier and eval set" in printed

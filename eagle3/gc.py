@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 from eagle3.promotion import promoted_checkpoints
 from eagle3.runs import replay_file, run_records
-from eagle3.store import ArtifactError, ArtifactStore
+from eagle3.store import PUBLISHED, ArtifactError, ArtifactStore
 
 __all__ = ["collect_garbage", "store_in_use"]
 
@@ -66,7 +66,7 @@ def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False)
         if not dry_run:
             for path in doomed:
                 shutil.rmtree(path)
-            published = store.root / "published"
+            published = store.root / PUBLISHED
             for pointer in published.glob("[!.]*") if published.exists() else ():  # not a write in progress
                 if not store.artifact_dir(pointer.read_text()).exists():
                     pointer.unlink()

@@ -4,8 +4,9 @@ A failed attempt then leaves nothing behind in the long-lived flow process (no a
 exception frames pinning tensors), so a retry with a smaller batch starts from an empty GPU. The
 child is spawned (CUDA cannot be forked), sees only the devices it was given
 (`CUDA_VISIBLE_DEVICES`), streams progress and its `eagle3` log records back over a pipe (so its
-warnings reach the flow's log) and returns a small picklable result. Exceptions come back as themselves where they pickle, `torch.OutOfMemoryError`
-included, so callers back off the same way whether an attempt ran in a child or in-process.
+warnings reach the flow's log) and returns a small picklable result. Exceptions come back as
+themselves where they pickle, `torch.OutOfMemoryError` included, so callers back off the same way
+whether an attempt ran in a child or in-process.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
+PUBLISHED = "published"  # <kind>-<provenance key> -> digest of the artifact published for it
 TEMP_SUFFIX = ".tmp"  # atomic_write_bytes' temp files: one left behind was a write cut short
 _CHUNK = 1 << 20
 
@@ -190,7 +191,7 @@ class ArtifactStore:
         again (None: it did not wait, or the other run did not finish)."""
         kind = manifest_type.model_fields["kind"].default
         with self._held_work_dir(kind, provenance.key) as (path, waited):
-            pointer = self.root / "published" / f"{kind}-{provenance.key}"
+            pointer = self._pointer(kind, provenance.key)
             done = None
             if waited and pointer.exists() and (self.artifact_dir(digest := pointer.read_text()) / MANIFEST).exists():
                 logger.warning("%s: another run published it for the same inputs while this one waited; reusing %s", kind, digest[:12])
@@ -211,6 +212,9 @@ class ArtifactStore:
             finally:
                 if path.is_dir() and not any(path.iterdir()):  # nothing to resume (published, or never written)
                     path.rmdir()
+
+    def _pointer(self, kind: str, key: str) -> Path:
+        return self.root / PUBLISHED / f"{kind}-{key}"
 
     def artifact_dir(self, digest: str) -> Path:
         return self.root / "artifacts" / digest
@@ -258,7 +262,7 @@ class ArtifactStore:
             os.replace(work, final)
             _fsync(final.parent)
         source = Provenance.model_validate(manifest.model_dump(include=set(Provenance.model_fields)))
-        atomic_write_text(self.root / "published" / f"{manifest.kind}-{source.key}", digest)
+        atomic_write_text(self._pointer(manifest.kind, source.key), digest)
         return manifest
 
     def load(self, manifest_type: type[M], digest: str) -> M:

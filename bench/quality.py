@@ -1,12 +1,12 @@
 """Quality benchmark: what a SmolLM2-135M-Instruct draft trained on regenerated answers achieves.
 
     python bench/quality.py --data DIR --size small      # CPU, minutes
-    eagle3 gpu-limit && python bench/quality.py --data DIR --size full   # one GPU (H200: ~12 minutes)
+    eagle3 gpu-limit && python bench/quality.py --data DIR --size full   # one GPU (H200: ~20 minutes)
 
 DIR holds `instructions_train.jsonl` (train prompts: `prompt`), `mt_bench_questions.jsonl`
 (MT-bench, first turns evaluated) and `gsm8k_test_dev.jsonl` (`question`); `--eval-sets ... heldout`
 adds prompts held out of the training file; `--set key.sub=value ...` changes a size's settings
-(`--set train.epochs=20 regenerate.max_records=4000`). The pipeline flow runs once per eval set on one
+(`--set train.epochs=20 evaluate.num_prompts=10`). The pipeline flow runs once per eval set on one
 artifact store: each run after the first reuses every step but evaluation. Prints
 one table (training data, simulated tau, measured tau at k = 3 and 5 with the n-gram baseline, wall
 time per step) and writes it as JSON with `--json`.
@@ -31,12 +31,12 @@ SIZES = {
         "train": {"epochs": 3, "lr": 1e-3, "total_seq_len": 1024},
         "evaluate": {"num_prompts": 3, "max_new_tokens": 32, "ks": [3, 5]},
     },
-    "full": {
-        "regenerate": {"max_records": 5000, "max_new_tokens": 256, "batch_size": 500},
+    "full": {  # every instruction but the last 10, which `heldout` evaluates on
+        "regenerate": {"max_records": 19990, "max_new_tokens": 256, "batch_size": 2000},
         "dataset": {"max_seq_len": 1024},
         "vocab": {"draft_vocab_size": 8192},
-        "train": {"epochs": 5, "lr": 1e-3, "total_seq_len": 16384},
-        "evaluate": {"num_prompts": 10, "max_new_tokens": 64, "ks": [3, 5]},
+        "train": {"epochs": 15, "lr": 1e-3, "total_seq_len": 16384},
+        "evaluate": {"num_prompts": 30, "max_new_tokens": 64, "ks": [3, 5]},
     },
 }
 EVAL_SETS = {"mt_bench": "mt_bench_questions.jsonl", "gsm8k": "gsm8k_test_dev.jsonl", "heldout": None}

@@ -6,8 +6,10 @@
 DIR holds `instructions_train.jsonl` (train prompts: `prompt`), `mt_bench_questions.jsonl`
 (MT-bench, first turns evaluated) and `gsm8k_test_dev.jsonl` (`question`); `--eval-sets ... heldout`
 adds prompts held out of the training file; `--set key.sub=value ...` changes a size's settings
-(`--set train.epochs=20 evaluate.num_prompts=10`). The pipeline flow runs once per eval set on one
-artifact store: each run after the first reuses every step but evaluation. Prints
+(`--set train.epochs=20 evaluate.num_prompts=10`); `--add-train gsm8k_train=N` also trains on the
+first N of GSM8K's training questions (`gsm8k_train.jsonl` in DIR, disjoint from the test questions
+evaluated). The pipeline flow runs once per eval set on one artifact store: each run after the
+first reuses every step but evaluation. Prints
 one table (training data, simulated tau, measured tau at k = 3 and 5 with the n-gram baseline, wall
 time per step) and writes it as JSON with `--json`.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -41,16 +44,22 @@ SIZES = {
 }
 EVAL_SETS = {"mt_bench": "mt_bench_questions.jsonl", "gsm8k": "gsm8k_test_dev.jsonl", "heldout": None}
 DEFAULT_EVAL_SETS = ["mt_bench", "gsm8k"]
+EXTRA_TRAIN_SETS = {"gsm8k_train": "gsm8k_train.jsonl"}
 
 
-def eval_prompts(name: str, cfg: PipelineConfig, data: Path, store: Path) -> Path:
+def _lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()]
+
+
+def eval_prompts(name: str, cfg: PipelineConfig, trained: int | None, data: Path, store: Path) -> Path:
     """An eval set's prompt file. `heldout`: the last prompts of `instructions_train.jsonl`, which
-    the run does not train on (it takes the first records): the training distribution without the training
-    prompts, to tell how much of a gap to tau_sim comes from MT-bench and GSM8K being other prompts."""
+    the run does not train on (it takes the first `trained` records; None: all): the training
+    distribution without the training prompts, to tell how much of a gap to tau_sim comes from
+    MT-bench and GSM8K being other prompts."""
     if EVAL_SETS[name] is not None:
         return data / EVAL_SETS[name]
-    lines = [line for line in (data / "instructions_train.jsonl").read_text().splitlines() if line.strip()]
-    wanted, trained = cfg.evaluate.num_prompts, cfg.regenerate.max_records or len(lines)
+    lines = _lines(data / "instructions_train.jsonl")
+    wanted, trained = cfg.evaluate.num_prompts, trained or len(lines)
     if len(lines) < trained + wanted:
         raise SystemExit(f"heldout: instructions_train.jsonl has {len(lines)} records; the run trains on the first "
                          f"{trained}, so it needs {trained + wanted} to hold {wanted} out")
@@ -84,6 +93,30 @@ def config(size: str, data: Path, store: Path, overrides: list[str]) -> Pipeline
     return load_config(None, [f"{key}={json.dumps(value)}" for key, value in _dotted(tree)] + overrides)
 
 
+def with_extra_training_prompts(cfg: PipelineConfig, extra: dict[str, int], data: Path, store: Path) -> PipelineConfig:
+    """`cfg` training on its instructions and the first N prompts of each extra set: one file written
+    beside the store, which regeneration takes whole. Shuffled (seed 0): training validates on the
+    file's last records, which must draw from every set."""
+    path = store.with_name(f"{store.name}-train-prompts.jsonl")
+    lines = _lines(Path(cfg.dataset.path))[: cfg.regenerate.max_records]
+    for name, count in extra.items():
+        lines += _lines(data / EXTRA_TRAIN_SETS[name])[:count]
+    random.Random(0).shuffle(lines)
+    path.write_text("\n".join(lines) + "\n")
+    return cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"path": str(path)}),
+                                  "regenerate": cfg.regenerate.model_copy(update={"max_records": None})})
+
+
+def _extra_train_sets(items: list[str], parser: argparse.ArgumentParser) -> dict[str, int]:
+    extra = {}
+    for item in items:
+        name, _, count = item.partition("=")
+        if name not in EXTRA_TRAIN_SETS or not count.isdigit() or int(count) < 1:
+            parser.error(f"--add-train {item}: expected SET=N with SET one of {sorted(EXTRA_TRAIN_SETS)} and N >= 1")
+        extra[name] = int(count)
+    return extra
+
+
 def with_eval_prompts(cfg: PipelineConfig, prompts: Path) -> PipelineConfig:
     return cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"prompts_path": str(prompts)})})
 
@@ -104,8 +137,11 @@ def main() -> None:
                         help="evaluate on these (a later run with the same store reuses every other step)")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="override the size's settings, e.g. train.epochs=20 regenerate.max_records=4000")
+    parser.add_argument("--add-train", nargs="+", default=[], metavar="SET=N",
+                        help="also train on the first N prompts of SET: " + ", ".join(EXTRA_TRAIN_SETS))
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    extra = _extra_train_sets(args.add_train, parser)
 
     from flows.train_draft import train_eagle3_draft
 
@@ -116,9 +152,12 @@ def main() -> None:
         cfg = config(args.size, data, store, args.set)
     except ConfigError as exc:
         parser.error(str(exc))
+    trained_instructions = cfg.regenerate.max_records
+    if extra:
+        cfg = with_extra_training_prompts(cfg, extra, data, store)
     rows, manifests = {}, {}
     for name in args.eval_sets:
-        result = train_eagle3_draft(with_eval_prompts(cfg, eval_prompts(name, cfg, data, store)))
+        result = train_eagle3_draft(with_eval_prompts(cfg, eval_prompts(name, cfg, trained_instructions, data, store)))
         evaluation = result.evaluation
         manifests = manifests or _latest_run_manifests(store)  # the first run: it computed the shared steps
         rows[name] = {
@@ -137,6 +176,7 @@ def main() -> None:
         "size": args.size,
         "config": SIZES[args.size],
         "overrides": args.set,
+        "add_train": extra,
         "training_samples": dataset["num_records"],
         "training_tokens": dataset["num_tokens"],
         "supervised_tokens": dataset["num_supervised_tokens"],

@@ -9,9 +9,8 @@ adds prompts held out of the training file; `--set key.sub=value ...` changes a 
 (`--set train.epochs=20 evaluate.num_prompts=10`); `--add-train gsm8k_train=N` also trains on the
 first N of GSM8K's training questions (`gsm8k_train.jsonl` in DIR, disjoint from the test questions
 evaluated). The pipeline flow runs once per eval set on one artifact store: each run after the
-first reuses every step but evaluation. Prints
-one table (training data, simulated tau, measured tau at k = 3 and 5 with the n-gram baseline, wall
-time per step) and writes it as JSON with `--json`.
+first reuses every step but evaluation. Prints one table (training data, simulated tau, measured
+tau at k = 3 and 5 with the n-gram baseline, wall time per step) and writes it as JSON with `--json`.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ SIZES = {
         "train": {"epochs": 3, "lr": 1e-3, "total_seq_len": 1024},
         "evaluate": {"num_prompts": 3, "max_new_tokens": 32, "ks": [3, 5]},
     },
-    "full": {  # every instruction but the last 10, which `heldout` evaluates on
+    "full": {  # every instruction but the last 10: `heldout` with `--set evaluate.num_prompts=10` evaluates on them
         "regenerate": {"max_records": 19990, "max_new_tokens": 256, "batch_size": 2000},
         "dataset": {"max_seq_len": 1024},
         "vocab": {"draft_vocab_size": 8192},

@@ -8,9 +8,12 @@ DIR holds `instructions_train.jsonl` (train prompts: `prompt`), `mt_bench_questi
 adds prompts held out of the training file; `--set key.sub=value ...` changes a size's settings
 (`--set train.epochs=20 evaluate.num_prompts=10`); `--add-train gsm8k_train=N` also trains on the
 first N of GSM8K's training questions (`gsm8k_train.jsonl` in DIR, disjoint from the test questions
-evaluated). The pipeline flow runs once per eval set on one artifact store: each run after the
-first reuses every step but evaluation. Prints one table (training data, simulated tau, measured
-tau at k = 3 and 5 with the n-gram baseline, wall time per step) and writes it as JSON with `--json`.
+evaluated), `--add-train verifier_prompts=N` on N user prompts the verifier writes itself. The
+pipeline flow runs once per eval set on one artifact store: each run after the first reuses every
+step but evaluation. Prints one table (training data, simulated tau, measured tau at k = 3 and 5
+with the n-gram baseline, wall time per step) and writes it as JSON with `--json`, after every
+eval set. `--from-store` runs nothing and reports what the store recorded, so a run cut
+short still yields the eval sets it finished.
 """
 
 from __future__ import annotations
@@ -43,11 +46,11 @@ SIZES = {
 }
 EVAL_SETS = {"mt_bench": "mt_bench_questions.jsonl", "gsm8k": "gsm8k_test_dev.jsonl", "heldout": None}
 DEFAULT_EVAL_SETS = ["mt_bench", "gsm8k"]
-EXTRA_TRAIN_SETS = {"gsm8k_train": "gsm8k_train.jsonl"}
+EXTRA_TRAIN_SETS = {"gsm8k_train": "gsm8k_train.jsonl", "verifier_prompts": None}
 
 
 def _lines(path: Path) -> list[str]:
-    return [line for line in path.read_text().splitlines() if line.strip()]
+    return [line for line in path.read_text().split("\n") if line.strip()]  # not splitlines: JSON strings may hold U+2028
 
 
 def eval_prompts(name: str, cfg: PipelineConfig, trained: int | None, data: Path, store: Path) -> Path:
@@ -99,11 +102,52 @@ def with_extra_training_prompts(cfg: PipelineConfig, extra: dict[str, int], data
     path = store.with_name(f"{store.name}-train-prompts.jsonl")
     lines = _lines(Path(cfg.dataset.path))[: cfg.regenerate.max_records]
     for name, count in extra.items():
-        lines += _lines(data / EXTRA_TRAIN_SETS[name])[:count]
+        source = data / EXTRA_TRAIN_SETS[name] if EXTRA_TRAIN_SETS[name] else verifier_prompts(cfg, store, count, data)
+        lines += _lines(source)[:count]
     random.Random(0).shuffle(lines)
     path.write_text("\n".join(lines) + "\n")
     return cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"path": str(path)}),
                                   "regenerate": cfg.regenerate.model_copy(update={"max_records": None})})
+
+
+def verifier_prompts(cfg: PipelineConfig, store: Path, count: int, data: Path, batch_size: int = 256) -> Path:
+    """A file of `count` user prompts the verifier writes itself (Magpie, arXiv:2406.08464): its chat
+    template up to the user's text, sampled (temperature 1, seed 0) until the turn ends. They take
+    the topics and shape of the chats the verifier was tuned on. Turns cut off at 128 tokens and
+    repeats are dropped, and so is any that equals an eval prompt. Written once beside the store."""
+    import torch
+
+    from eagle3.evaluate import read_prompts
+    from eagle3.extract_hidden_states import resolve_device
+    from eagle3.store import ArtifactStore, atomic_write_text
+    from eagle3.verifier import eos_token_ids, load_text_model, load_tokenizer, resolve_verifier
+
+    path = store.with_name(f"{store.name}-verifier-prompts-{count}.jsonl")
+    if path.exists():
+        return path
+    verifier = Path(resolve_verifier(cfg.verifier, ArtifactStore(store)).path)
+    device = resolve_device("auto")
+    tokenizer, model = load_tokenizer(verifier), load_text_model(verifier, torch.float32, device)
+    marker = "\u0000"
+    template = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    prefix = tokenizer(template[: template.index(marker)], return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+    turn_end = tokenizer(template[template.index(marker) + 1:], add_special_tokens=False).input_ids[0]
+    ends = eos_token_ids(tokenizer, model) | {turn_end}
+    excluded = {p.strip() for name in ("mt_bench", "gsm8k") for p in read_prompts(data / EVAL_SETS[name], 10**6)}
+    torch.manual_seed(0)
+    prompts: dict[str, None] = {}
+    while len(prompts) < count:
+        with torch.no_grad():
+            out = model.generate(prefix.expand(batch_size, -1), attention_mask=torch.ones_like(prefix).expand(batch_size, -1),
+                                 do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=128,
+                                 eos_token_id=sorted(ends), pad_token_id=tokenizer.pad_token_id or sorted(ends)[0])
+        for row in out[:, prefix.shape[1]:].tolist():
+            ended = next((i for i, t in enumerate(row) if t in ends), None)
+            text = tokenizer.decode(row[:ended], skip_special_tokens=True).strip() if ended is not None else ""
+            if text and text not in excluded:
+                prompts[text] = None
+    atomic_write_text(path, "".join(json.dumps({"prompt": p}) + "\n" for p in list(prompts)[:count]))
+    return path
 
 
 def _extra_train_sets(items: list[str], parser: argparse.ArgumentParser) -> dict[str, int]:
@@ -120,58 +164,38 @@ def with_eval_prompts(cfg: PipelineConfig, prompts: Path) -> PipelineConfig:
     return cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"prompts_path": str(prompts)})})
 
 
-def _latest_run_manifests(store: Path) -> dict[str, dict]:
-    """kind -> manifest of every artifact the store's latest recorded run reached."""
-    record = json.loads(sorted((store / "runs").glob("*.json"))[-1].read_text())
-    manifests = (json.loads((store / "artifacts" / d / "manifest.json").read_text()) for d in record["artifacts"])
-    return {m["kind"]: m for m in manifests}
+def _recorded_runs(store: Path) -> dict[str, dict[str, dict]]:
+    """Prompt-file digest -> kind -> manifest of every artifact of the latest recorded run that
+    evaluated those prompts (a flow run is recorded when it finishes)."""
+    runs = {}
+    for record in sorted((store / "runs").glob("*.json")):
+        digests = json.loads(record.read_text())["artifacts"]
+        manifests = {m["kind"]: m for m in (json.loads((store / "artifacts" / d / "manifest.json").read_text()) for d in digests)}
+        if "evaluation" in manifests:
+            runs[manifests["evaluation"]["parents"]["prompts"]] = manifests
+    return runs
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, required=True, help="directory with the three JSONL files")
-    parser.add_argument("--size", choices=sorted(SIZES), default="small")
-    parser.add_argument("--store", type=Path, default=Path("bench-quality-store"), help="artifact store (reused across runs)")
-    parser.add_argument("--eval-sets", nargs="+", choices=sorted(EVAL_SETS), default=DEFAULT_EVAL_SETS,
-                        help="evaluate on these (a later run with the same store reuses every other step)")
-    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="override the size's settings, e.g. train.epochs=20 regenerate.max_records=4000")
-    parser.add_argument("--add-train", nargs="+", default=[], metavar="SET=N",
-                        help="also train on the first N prompts of SET: " + ", ".join(EXTRA_TRAIN_SETS))
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args()
-    extra = _extra_train_sets(args.add_train, parser)
+def eval_row(evaluation: dict) -> dict:
+    """One eval set's line of the table, from its evaluation manifest."""
+    accuracy = evaluation.get("draft_token_accuracy")
+    return {
+        "prompts": evaluation["num_prompts"],
+        "tokens": evaluation["num_tokens"],
+        "mismatches": evaluation["mismatches"],
+        "draft_token_accuracy": round(accuracy, 3) if accuracy is not None else None,
+        **{f"{r['method']}_k{r['k']}": round(r["tau"], 3) for r in evaluation["results"]},
+        "eagle3_k3_accepted_by_position": [round(a, 3) for r in evaluation["results"]
+                                           if (r["method"], r["k"]) == ("eagle3", 3) for a in r["acceptance_by_position"]],
+        "tau_sim": round(evaluation["tau_sim"], 3),
+        "eval_seconds": round(evaluation.get("seconds") or 0.0, 1),
+    }
 
-    from flows.train_draft import train_eagle3_draft
 
-    store, data = args.store.resolve(), args.data.resolve()
-    if any(item.startswith("evaluate.prompts_path") for item in args.set):
-        parser.error("--set evaluate.prompts_path: the eval sets choose the prompts (--eval-sets)")
-    try:
-        cfg = config(args.size, data, store, args.set)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    trained_instructions = cfg.regenerate.max_records
-    if extra:
-        cfg = with_extra_training_prompts(cfg, extra, data, store)
-    rows, manifests = {}, {}
-    for name in args.eval_sets:
-        result = train_eagle3_draft(with_eval_prompts(cfg, eval_prompts(name, cfg, trained_instructions, data, store)))
-        evaluation = result.evaluation
-        manifests = manifests or _latest_run_manifests(store)  # the first run: it computed the shared steps
-        rows[name] = {
-            "prompts": evaluation.num_prompts,
-            "tokens": evaluation.num_tokens,
-            "mismatches": evaluation.mismatches,
-            "draft_token_accuracy": round(evaluation.draft_token_accuracy, 3) if evaluation.draft_token_accuracy is not None else None,
-            **{f"{r['method']}_k{r['k']}": round(r["tau"], 3) for r in evaluation.results},
-            "eagle3_k3_accepted_by_position": [round(a, 3) for r in evaluation.results
-                                               if (r["method"], r["k"]) == ("eagle3", 3) for a in r["acceptance_by_position"]],
-            "tau_sim": round(result.checkpoint.tau_sim, 3),
-            "eval_seconds": round(evaluation.seconds or 0.0, 1),
-        }
+def summarize(args: argparse.Namespace, extra: dict[str, int], manifests: dict[str, dict], rows: dict[str, dict]) -> dict:
+    """The benchmark's record: training data and how training went (from the first run's manifests), one row per eval set."""
     dataset, draft = manifests["dataset"], manifests["draft"]
-    summary = {
+    return {
         "size": args.size,
         "config": SIZES[args.size],
         "overrides": args.set,
@@ -190,18 +214,69 @@ def main() -> None:
         "eval": rows,
         "step_seconds": {kind: round(manifests[kind].get("seconds") or 0.0, 1) for kind in STEP_KINDS if kind in manifests},
     }
-    print(f"\nsize {args.size}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
+
+
+def print_summary(summary: dict) -> None:
+    print(f"\nsize {summary['size']}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
           f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs")
     columns = ["tau_sim", "eagle3_k3", "ngram_k3", "eagle3_k5", "ngram_k5", "draft_token_accuracy", "prompts", "tokens", "mismatches",
                "eval_seconds"]
     print(f"| eval set | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
-    for name, row in rows.items():
+    for name, row in summary["eval"].items():
         print(f"| {name} | {' | '.join(str(row.get(c, '')) for c in columns)} |")
     print("\nwall seconds per step (first run): " + ", ".join(f"{k} {v}" for k, v in summary["step_seconds"].items()))
     print(f"training: {summary['draft']['num_steps']} steps, median {summary['draft']['tokens_per_s']} tok/s, "
           f"seconds by phase {summary['draft']['time_breakdown_s']}; by epoch {summary['draft']['by_epoch']}")
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, required=True, help="directory with the three JSONL files")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--store", type=Path, default=Path("bench-quality-store"), help="artifact store (reused across runs)")
+    parser.add_argument("--eval-sets", nargs="+", choices=sorted(EVAL_SETS), default=DEFAULT_EVAL_SETS,
+                        help="evaluate on these (a later run with the same store reuses every other step)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="override the size's settings, e.g. train.epochs=20 regenerate.max_records=4000")
+    parser.add_argument("--add-train", nargs="+", default=[], metavar="SET=N",
+                        help="also train on the first N prompts of SET: " + ", ".join(EXTRA_TRAIN_SETS))
+    parser.add_argument("--json", type=Path, help="also write the results here (after every eval set)")
+    parser.add_argument("--from-store", action="store_true",
+                        help="run nothing: report the latest run the store recorded for each eval set (a run cut short "
+                             "reports the sets it finished)")
+    args = parser.parse_args()
+    extra = _extra_train_sets(args.add_train, parser)
+
+    from eagle3.store import digest_file
+    from flows.train_draft import train_eagle3_draft
+
+    store, data = args.store.resolve(), args.data.resolve()
+    if any(item.startswith("evaluate.prompts_path") for item in args.set):
+        parser.error("--set evaluate.prompts_path: the eval sets choose the prompts (--eval-sets)")
+    try:
+        cfg = config(args.size, data, store, args.set)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    trained_instructions = cfg.regenerate.max_records
+    if extra:
+        cfg = with_extra_training_prompts(cfg, extra, data, store)
+    rows, first_run, summary = {}, None, None
+    for name in args.eval_sets:
+        prompts = eval_prompts(name, cfg, trained_instructions, data, store)
+        if not args.from_store:
+            train_eagle3_draft(with_eval_prompts(cfg, prompts))
+        run = _recorded_runs(store).get(digest_file(prompts))
+        if run is None:
+            print(f"{name}: the store holds no finished run on {prompts}", file=sys.stderr)
+            continue
+        first_run = first_run or run  # the first run computed the steps every eval set shares
+        rows[name] = eval_row(run["evaluation"])
+        summary = summarize(args, extra, first_run, rows)
+        if args.json:
+            args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    if summary is None:
+        raise SystemExit("no eval set has a finished run")
+    print_summary(summary)
 
 
 if __name__ == "__main__":

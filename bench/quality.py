@@ -114,18 +114,21 @@ def verifier_prompts(cfg: PipelineConfig, store: Path, count: int, data: Path, b
     """A file of `count` user prompts the verifier writes itself (Magpie, arXiv:2406.08464): its chat
     template up to the user's text, sampled (temperature 1, seed 0) until the turn ends. They take
     the topics and shape of the chats the verifier was tuned on. Turns cut off at 128 tokens and
-    repeats are dropped, and so is any that equals an eval prompt. Written once beside the store."""
+    repeats are dropped, and so is any that equals an eval prompt. Written once beside the store
+    per verifier and count."""
     import torch
 
     from eagle3.evaluate import read_prompts
     from eagle3.extract_hidden_states import resolve_device
     from eagle3.store import ArtifactStore, atomic_write_text
-    from eagle3.verifier import eos_token_ids, load_text_model, load_tokenizer, resolve_verifier
+    from eagle3.verifier import eos_token_ids, load_text_model, load_tokenizer, resolve_verifier, verifier_source
 
-    path = store.with_name(f"{store.name}-verifier-prompts-{count}.jsonl")
+    artifacts = ArtifactStore(store)
+    verifier_digest = artifacts.input_digest(verifier_source(cfg.verifier))
+    path = store.with_name(f"{store.name}-verifier-prompts-{verifier_digest[:12]}-{count}.jsonl")
     if path.exists():
         return path
-    verifier = Path(resolve_verifier(cfg.verifier, ArtifactStore(store)).path)
+    verifier = Path(resolve_verifier(cfg.verifier, artifacts).path)
     device = resolve_device("auto")
     tokenizer, model = load_tokenizer(verifier), load_text_model(verifier, torch.float32, device)
     marker = "\u0000"
@@ -167,10 +170,13 @@ def with_eval_prompts(cfg: PipelineConfig, prompts: Path) -> PipelineConfig:
 def _recorded_runs(store: Path) -> dict[str, dict[str, dict]]:
     """Prompt-file digest -> kind -> manifest of every artifact of the latest recorded run that
     evaluated those prompts (a flow run is recorded when it finishes)."""
-    runs = {}
-    for record in sorted((store / "runs").glob("*.json")):
+    from eagle3.runs import run_records
+    from eagle3.store import MANIFEST, ArtifactStore
+
+    artifacts, runs = ArtifactStore(store), {}
+    for record in run_records(artifacts):  # oldest first: the latest run on the same prompts wins
         digests = json.loads(record.read_text())["artifacts"]
-        manifests = {m["kind"]: m for m in (json.loads((store / "artifacts" / d / "manifest.json").read_text()) for d in digests)}
+        manifests = {m["kind"]: m for m in (json.loads((artifacts.artifact_dir(d) / MANIFEST).read_text()) for d in digests)}
         if "evaluation" in manifests:
             runs[manifests["evaluation"]["parents"]["prompts"]] = manifests
     return runs

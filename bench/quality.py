@@ -184,12 +184,13 @@ def _recorded_runs(store: Path) -> dict[str, dict[str, dict]]:
 
 def eval_row(evaluation: dict) -> dict:
     """One eval set's line of the table, from its evaluation manifest."""
-    accuracy = evaluation.get("draft_token_accuracy")
+    accuracy, coverage = evaluation.get("draft_token_accuracy"), evaluation.get("draft_vocab_coverage")
     return {
         "prompts": evaluation["num_prompts"],
         "tokens": evaluation["num_tokens"],
         "mismatches": evaluation["mismatches"],
         "draft_token_accuracy": round(accuracy, 3) if accuracy is not None else None,
+        "draft_vocab_coverage": round(coverage, 3) if coverage is not None else None,
         **{f"{r['method']}_k{r['k']}": round(r["tau"], 3) for r in evaluation["results"]},
         "eagle3_k3_accepted_by_position": [round(a, 3) for r in evaluation["results"]
                                            if (r["method"], r["k"]) == ("eagle3", 3) for a in r["acceptance_by_position"]],
@@ -225,7 +226,7 @@ def summarize(args: argparse.Namespace, extra: dict[str, int], manifests: dict[s
 def print_summary(summary: dict) -> None:
     print(f"\nsize {summary['size']}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
           f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs")
-    columns = ["tau_sim", "eagle3_k3", "ngram_k3", "eagle3_k5", "ngram_k5", "draft_token_accuracy", "prompts", "tokens", "mismatches",
+    columns = ["tau_sim", "eagle3_k3", "ngram_k3", "eagle3_k5", "ngram_k5", "draft_token_accuracy", "draft_vocab_coverage", "prompts", "tokens", "mismatches",
                "eval_seconds"]
     print(f"| eval set | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
     for name, row in summary["eval"].items():

@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['method']:>6} k={r['k']}: tau {r['tau']:.3f}")
     if evaluation.draft_token_accuracy is not None:
         print(f"draft's first-token accuracy on these outputs, per token as in validation: {evaluation.draft_token_accuracy:.3f}")
+    if evaluation.draft_vocab_coverage is not None:
+        print(f"share of these outputs' tokens the draft vocabulary holds (accuracy's ceiling): {evaluation.draft_vocab_coverage:.3f}")
     print(result.promotion.summary())
     print(f"serve it: vllm serve {checkpoint.path}")
     print(f"{result.lineage.changes} Lineage: eagle3 lineage {result.lineage.run_id}")

@@ -9,7 +9,8 @@ Output `report.json`: per method and k, tau (tokens per verifier pass), the acce
 each draft position, tokens/s, and the number of prompts and tokens; plus the training-time
 simulated tau for comparison, and the draft's teacher-forced first-token accuracy on the greedy
 outputs (`draft_token_accuracy`: what validation's step-0 accuracy would be on these prompts,
-counted per token rather than per verifier pass). Cost: (1 + 2 x len(ks)) decodes per prompt, and
+counted per token rather than per verifier pass) and its ceiling, the share of those tokens the draft
+vocabulary holds (`draft_vocab_coverage`: low means a larger `vocab.draft_vocab_size`). Cost: (1 + 2 x len(ks)) decodes per prompt, and
 one forward of the verifier and the draft over each greedy output.
 
 Backend `vllm` instead reads the same figures for the draft from a vLLM server that serves it
@@ -52,6 +53,7 @@ class EvalManifest(ArtifactManifest):
     greedy_tokens_per_s: float | None  # None: not measured (backend 'vllm')
     mismatches: int | None
     draft_token_accuracy: float | None = None  # teacher-forced step-0 accuracy on the greedy outputs (None: backend 'vllm')
+    draft_vocab_coverage: float | None = None  # share of those drafted tokens inside the draft vocabulary (None: backend 'vllm')
 
 
 def eval_prompts_source(cfg: EvalConfig) -> Path:
@@ -102,6 +104,7 @@ class _Measured:
     greedy_tokens_per_s: float | None
     mismatches: int | None
     draft_token_accuracy: float | None
+    draft_vocab_coverage: float | None
 
 
 def _measure_by_own_decoding(
@@ -120,13 +123,14 @@ def _measure_by_own_decoding(
         for p in texts
     ]
     runs: dict[tuple[str, int], list[DecodeStats]] = {}
-    reference_runs, mismatches, correct, drafted = [], 0, 0, 0
+    reference_runs, mismatches, correct, covered, drafted = [], 0, 0, 0, 0
     try:
         for prompt in tqdm(prompts, desc="evaluate", unit="prompt"):
             reference = greedy_decode(model, list(prompt), cfg.max_new_tokens, eos_ids)
             reference_runs.append(reference)
             right, total = draft_token_accuracy(model, capture, draft, list(prompt), reference.tokens)
             correct, drafted = correct + right, drafted + total
+            covered += draft.in_vocabulary(reference.tokens[1:])  # the positions draft_token_accuracy counts
             for method, proposer in (("eagle3", draft), ("ngram", NgramProposer())):
                 for k in cfg.ks:
                     run = speculative_decode(model, capture, proposer, list(prompt), cfg.max_new_tokens, k, eos_ids)
@@ -143,6 +147,7 @@ def _measure_by_own_decoding(
         greedy_tokens_per_s=num_tokens / sum(r.seconds for r in reference_runs),
         mismatches=mismatches,
         draft_token_accuracy=correct / drafted if drafted else None,
+        draft_vocab_coverage=covered / drafted if drafted else None,
     )
 
 
@@ -172,11 +177,11 @@ def evaluate(
         if cfg.backend == "vllm":
             row = measure_served_acceptance(cfg, texts, prompts_path)
             measured = _Measured(results=[row], num_tokens=row["tokens"], greedy_tokens_per_s=None, mismatches=None,
-                                 draft_token_accuracy=None)
+                                 draft_token_accuracy=None, draft_vocab_coverage=None)
         else:
             measured = _measure_by_own_decoding(cfg, checkpoint, hidden_states, verifier, texts)
         report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches,
-                  "draft_token_accuracy": measured.draft_token_accuracy}
+                  "draft_token_accuracy": measured.draft_token_accuracy, "draft_vocab_coverage": measured.draft_vocab_coverage}
         (work / "report.json").write_text(json.dumps(report, indent=2, default=float))
         return store.publish(
             work,
@@ -190,6 +195,7 @@ def evaluate(
                 greedy_tokens_per_s=measured.greedy_tokens_per_s,
                 mismatches=measured.mismatches,
                 draft_token_accuracy=measured.draft_token_accuracy,
+                draft_vocab_coverage=measured.draft_vocab_coverage,
                 seconds=clock(),
             ),
         )

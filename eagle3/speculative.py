@@ -112,6 +112,11 @@ class Eagle3Proposer:
         causal = torch.full((n, n), float("-inf"), device=features.device, dtype=features.dtype).triu(1)
         return self._layers(hidden, causal[None, None], position_ids, cache)
 
+    def in_vocabulary(self, tokens: list[int]) -> int:
+        """How many of `tokens` (verifier ids) the draft can propose at all: its vocabulary is the
+        verifier's most frequent training tokens, so a token outside it is always a rejection."""
+        return int(self.draft.t2d[torch.tensor(tokens, dtype=torch.long, device=self.draft.t2d.device)].sum())
+
     def _to_verifier_ids(self, draft_ids: torch.Tensor) -> list[int]:
         return (draft_ids + self.draft.d2t[draft_ids]).tolist()
 

@@ -174,6 +174,17 @@ def test_draft_token_accuracy_counts_each_first_proposal_against_the_next_token(
     assert draft_token_accuracy(model, capture, proposer, PROMPT, continuation) == (8, 11)
 
 
+def test_in_vocabulary_counts_the_tokens_the_draft_vocabulary_holds(exported):
+    store, verifier, hidden, checkpoint = exported
+    proposer = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cpu")))
+    inside = proposer.draft.t2d.nonzero().flatten()[:3].tolist()
+    outside = (~proposer.draft.t2d).nonzero().flatten()[:2].tolist()
+    assert len(inside) == 3 and len(outside) == 2  # the tiny draft's vocabulary is smaller than the verifier's
+
+    assert proposer.in_vocabulary(inside + outside + inside[:1]) == 4
+    assert proposer.in_vocabulary(outside) == 0
+
+
 def test_evaluate_reports_tau_per_method_and_k(exported):
     store, verifier, hidden, checkpoint = exported
     cfg = EvalConfig(num_prompts=2, max_new_tokens=24, ks=[2, 4])
@@ -188,7 +199,7 @@ def test_evaluate_reports_tau_per_method_and_k(exported):
         assert len(r["acceptance_by_position"]) == r["k"]
         assert r["tau"] == pytest.approx(1 + sum(r["acceptance_by_position"]))
     assert json.loads((manifest.path / "report.json").read_text())["results"] == manifest.results
-    assert 0.0 <= manifest.draft_token_accuracy <= 1.0
+    assert 0.0 <= manifest.draft_token_accuracy <= manifest.draft_vocab_coverage <= 1.0  # never right outside its vocabulary
 
 
 def test_prompt_file_without_a_prompt_field_names_the_record(tmp_path):

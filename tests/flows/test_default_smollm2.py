@@ -46,6 +46,7 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     assert all(r["tau"] >= 1.0 for r in evaluation["results"])
     assert "eagle3 k=3: tau" in printed
     assert f"per token as in validation: {evaluation['draft_token_accuracy']:.3f}" in printed
+    assert f"(accuracy's ceiling): {evaluation['draft_vocab_coverage']:.3f}" in printed
     [replay] = (store / "runs").glob("*.yaml")
     assert f"replay: eagle3 run --config {replay}" in printed
     assert "promoted: tau" in printed and "first checkpoint evaluated on this verifier and eval set" in printed

@@ -9,9 +9,10 @@ Output `report.json`: per method and k, tau (tokens per verifier pass), the acce
 each draft position, tokens/s, and the number of prompts and tokens; plus the training-time
 simulated tau for comparison, and the draft's teacher-forced first-token accuracy on the greedy
 outputs (`draft_token_accuracy`: what validation's step-0 accuracy would be on these prompts,
-counted per token rather than per verifier pass) and its ceiling, the share of those tokens the draft
-vocabulary holds (`draft_vocab_coverage`: low means a larger `vocab.draft_vocab_size`). Cost: (1 + 2 x len(ks)) decodes per prompt, and
-one forward of the verifier and the draft over each greedy output.
+counted per token rather than per verifier pass) and its ceiling, the share of those tokens the
+draft vocabulary holds (`draft_vocab_coverage`: if low, raise `vocab.draft_vocab_size`). Cost:
+(1 + 2 x len(ks)) decodes per prompt, and one forward of the verifier and the draft over each
+greedy output.
 
 Backend `vllm` instead reads the same figures for the draft from a vLLM server that serves it
 (`eagle3.served_acceptance`), at the server's k, without the baselines.

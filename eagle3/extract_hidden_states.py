@@ -42,7 +42,7 @@ from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import (
     ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_bytes, atomic_write_text, code_version, exclusive,
 )
-from eagle3.verifier import VerifierManifest, load_text_model
+from eagle3.verifier import VerifierManifest, compute_dtype, load_text_model
 
 __all__ = [
     "HiddenStateCapture",
@@ -297,7 +297,7 @@ def _extract_attempt(
     """
     device = torch.device(device)
     input_ids: list[list[int]] = load_dataset_table(dataset).column("input_ids").to_pylist()
-    model = load_text_model(verifier.path, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    model = load_text_model(verifier.path, compute_dtype(device), device)
     decoder = model.get_decoder()
     capture = HiddenStateCapture(decoder, aux)
     writer = _OverlappedWriter(device)

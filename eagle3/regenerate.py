@@ -50,7 +50,7 @@ from eagle3.extract_hidden_states import FAULT_OOM_ENV, resolve_device
 from eagle3.isolation import free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import Record, read_user_turns
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
-from eagle3.verifier import VerifierManifest, eos_token_ids, load_text_model, load_tokenizer
+from eagle3.verifier import VerifierManifest, compute_dtype, eos_token_ids, load_text_model, load_tokenizer
 
 __all__ = ["RegeneratedManifest", "regenerate", "regenerated_conversations"]
 
@@ -174,7 +174,7 @@ def _transformers_attempt(
     """
     device = torch.device(device)
     tokenizer = load_tokenizer(verifier.path)
-    model = load_text_model(verifier.path, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+    model = load_text_model(verifier.path, compute_dtype(device), device)
     todo = sorted(todo, key=lambda r: len(r[2][0]))
     try:
         with open(done_log, "a") as log:

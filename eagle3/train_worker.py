@@ -26,6 +26,7 @@ from eagle3 import trainer_compat
 from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import FAULT_OOM_ENV
 from eagle3.store import atomic_write_text
+from eagle3.verifier import compute_dtype
 from eagle3.vocab_mapping import VocabManifest, load_vocab_mapping
 from eagle3.warm_start import warm_start
 
@@ -165,6 +166,7 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
     from hs_connectors import FileTransfer
 
     cfg, device = spec.cfg, torch.device(spec.device)
+    dtype = compute_dtype(device)
     data_dir = spec.work / "data"
     verifier_path = str(spec.verifier_path)
     flat = speculators_train_config(spec).flatten()
@@ -193,7 +195,7 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
     train_loader, val_loader = create_train_val_loaders(
         data_path=str(data_dir),
         total_seq_len=spec.total_seq_len,
-        hidden_states_dtype=torch.bfloat16,
+        hidden_states_dtype=dtype,
         transfer=FileTransfer(data_dir / "hidden_states"),
         vllm_endpoint=flat["vllm_endpoint"],
         on_missing="raise",
@@ -222,7 +224,7 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
         weight_decay=flat["weight_decay"],
         muon_lr=flat["muon_lr"],
         scheduler_type=flat["scheduler_type"],
-        hidden_states_dtype=torch.bfloat16,
+        hidden_states_dtype=dtype,
         log_freq=1,
         checkpoint_freq=1,
         fsdp_shard=cfg.fsdp,

@@ -9,12 +9,15 @@ CPU: speculators 0.9.0 assumes an accelerator in three places:
 its step timer calls `torch.accelerator.synchronize()`; and the checkpointer loads resume state onto
 `get_current_device()`, which answers "cuda:0" when there is no accelerator. Attention and loss
 need CPU-capable implementations too (flex attention has no CPU backward, the fused loss needs
-Triton): see `draft_attn_impl` and `loss_implementation`.
+Triton): see `draft_attn_impl` and `loss_implementation`. On CPU the trainer is given float32 as its
+autocast dtype (`verifier.compute_dtype`), which CPU autocast declines with a warning per step site:
+training then runs in plain float32, as intended, and the warning is silenced.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -78,6 +81,8 @@ def trainer_class(device: torch.device) -> Iterator[type[Trainer]]:
     trainer_module._StepTimer = _UnsyncedStepTimer  # noqa: SLF001
     checkpointer_module.get_current_device = lambda: "cpu"
     try:
-        yield CpuTrainer
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "In CPU autocast, but the target dtype is not supported")
+            yield CpuTrainer
     finally:
         trainer_module._StepTimer, checkpointer_module.get_current_device = saved  # noqa: SLF001

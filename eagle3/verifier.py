@@ -162,6 +162,12 @@ def eos_token_ids(tokenizer, model) -> set[int]:
     return {tokenizer.eos_token_id, *([configured] if isinstance(configured, int) else configured or [])} - {None}
 
 
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on accelerators; float32 on CPU, where bf16 matmuls fall back to torch's scalar
+    reference kernel unless the CPU has AVX512-BF16 or AMX: several times slower than float32."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
 def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
     """The verifier's text decoder as a `*ForCausalLM`, whatever wrapper the checkpoint has.
 

@@ -231,7 +231,12 @@ def train_draft(
             )
             spec = spec.model_copy(update={"total_seq_len": halved})
 
-        last_epoch = max(int(p.name) for p in spec.checkpoints.iterdir() if p.name.isdigit())
+        last_epoch = max((int(p.name) for p in spec.checkpoints.iterdir() if p.name.isdigit()), default=-1)
+        if last_epoch != cfg.epochs - 1:  # speculators saves and returns on SIGINT/SIGTERM instead of raising
+            raise RuntimeError(
+                f"training was interrupted after {last_epoch + 1} of {cfg.epochs} epochs; finished epochs are kept "
+                f"in {spec.checkpoints}: a re-run resumes from the last."
+            )
         history = [json.loads(line) for line in spec.metrics_log.read_text().splitlines()]
         epochs = _epoch_summaries(history, cfg.ttt_steps)
         out = work / "artifact"

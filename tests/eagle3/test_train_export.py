@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -24,7 +25,7 @@ from eagle3.train_worker import OOM_EXIT, TrainSpec
 from eagle3.verifier import load_tokenizer, resolve_verifier
 from eagle3.vocab_mapping import build_vocab_mapping
 
-TRAIN = TrainConfig(epochs=3, lr=1e-3, total_seq_len=512)
+TRAIN = TrainConfig(epochs=3, total_seq_len=512)
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +127,30 @@ def test_interrupted_training_resumes_from_the_last_epoch_checkpoint(inputs):
     assert 1 < resumed[0] <= seen[-1]
     assert resumed == list(range(resumed[0], resumed[0] + len(resumed)))
     assert [e["epoch"] for e in manifest.epochs] == [0, 1, 2]
+
+
+def test_a_signal_mid_training_fails_the_step_and_keeps_finished_epochs(inputs):
+    store, verifier, dataset, hidden, vocab = inputs
+    provenance = Provenance(config={"run": "sigterm"})
+
+    def terminate_in_second_epoch(step, total, metrics):
+        if step == total // TRAIN.epochs + 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # speculators' handler saves a checkpoint and returns
+
+    drafts_before = _published_drafts(store)
+
+    with pytest.raises(RuntimeError, match=r"interrupted after 1 of 3 epochs; finished epochs are kept in .*checkpoints"):
+        train_draft(TRAIN, dataset, hidden, vocab, verifier, store, provenance, on_step=terminate_in_second_epoch)
+    assert _published_drafts(store) == drafts_before
+    resumed = []
+
+    manifest = train_draft(TRAIN, dataset, hidden, vocab, verifier, store, provenance, on_step=lambda s, t, m: resumed.append(s))
+
+    assert resumed[0] > 1 and [e["epoch"] for e in manifest.epochs] == [0, 1, 2]
+
+
+def _published_drafts(store: ArtifactStore) -> set[str]:
+    return {p.parent.name for p in (store.root / "artifacts").glob("*/manifest.json") if json.loads(p.read_text())["kind"] == "draft"}
 
 
 def test_out_of_memory_resumes_from_the_last_checkpoint_with_half_the_batch(inputs, monkeypatch):

@@ -33,14 +33,14 @@ SIZES = {
         "regenerate": {"max_records": 24, "max_new_tokens": 64, "batch_size": 24},
         "dataset": {"max_seq_len": 512},
         "vocab": {"draft_vocab_size": 2048},
-        "train": {"epochs": 3, "lr": 1e-3, "total_seq_len": 1024},
+        "train": {"epochs": 3, "total_seq_len": 1024},
         "evaluate": {"num_prompts": 3, "max_new_tokens": 32, "ks": [3, 5]},
     },
     "full": {  # every instruction but the last 10: `heldout` with `--set evaluate.num_prompts=10` evaluates on them
         "regenerate": {"max_records": 19990, "max_new_tokens": 256, "batch_size": 2000},
         "dataset": {"max_seq_len": 1024},
         "vocab": {"draft_vocab_size": 8192},
-        "train": {"epochs": 15, "lr": 1e-3, "total_seq_len": 16384},
+        "train": {"epochs": 15, "total_seq_len": 16384},
         "evaluate": {"num_prompts": 30, "max_new_tokens": 64, "ks": [3, 5]},
     },
 }

@@ -170,7 +170,7 @@ class VocabConfig(_Group):
 
 class TrainConfig(_Group):
     epochs: int = Field(3, ge=1, description="Passes over the training data; a checkpoint is kept per epoch.")
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate (linear warmup and decay).")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (linear warmup and decay); speculators' default.")
     ttt_steps: int = Field(3, ge=1, description="Test-time-training steps: draft tokens trained per position.")
     ttt_step_loss_decay: float = Field(1.0, gt=0, description="Loss weight multiplier per later TTT step.")
     loss_fn: Literal["kl_div", "ce", "tv"] = Field("kl_div", description="Loss against the verifier's distribution.")

@@ -55,7 +55,7 @@ def train_draft_for_serving(root: Path) -> tuple[ArtifactStore, VerifierManifest
     dataset = prepare_dataset(DatasetConfig(max_seq_len=256), regenerated_conversations(answers), load_tokenizer(verifier.path), store, Provenance())
     hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=[1, 2, 3]), dataset, verifier, store, Provenance())
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=512), dataset, verifier.vocab_size, store, Provenance())
-    draft = train_draft(TrainConfig(epochs=2, lr=1e-3, total_seq_len=512), dataset, hidden, vocab, verifier, store, Provenance())
+    draft = train_draft(TrainConfig(epochs=2, total_seq_len=512), dataset, hidden, vocab, verifier, store, Provenance())
     checkpoint = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
     return store, verifier, hidden, checkpoint
 

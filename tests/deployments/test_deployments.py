@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from eagle3.config import TrainConfig
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
@@ -25,7 +27,7 @@ def test_the_form_schema_carries_descriptions_defaults_and_bounds(deployments):
     schema = deployments["train-on-demand"].parameter_openapi_schema
     train = schema["definitions"]["TrainConfig"]["properties"]
 
-    assert train["lr"]["exclusiveMinimum"] == 0 and train["lr"]["default"] == 3e-4
+    assert train["lr"]["exclusiveMinimum"] == 0 and train["lr"]["default"] == TrainConfig.model_fields["lr"].default == 1e-3
     assert "learning rate" in train["lr"]["description"]
     assert train["loss_fn"]["enum"] == ["kl_div", "ce", "tv"]
     assert train["init_from"]["enum"] == ["scratch", "previous"] and train["init_from"]["default"] == "scratch"

@@ -65,7 +65,7 @@ def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=512), dataset, verifier.vocab_size, store, Provenance())
     gpus = [str(i) for i in range(torch.cuda.device_count())]
 
-    draft = train_draft(TrainConfig(epochs=2, lr=1e-3, total_seq_len=512, device="cuda", num_gpus=len(gpus)), dataset, hidden, vocab, verifier, store, Provenance(), gpus=gpus)
+    draft = train_draft(TrainConfig(epochs=2, total_seq_len=512, device="cuda", num_gpus=len(gpus)), dataset, hidden, vocab, verifier, store, Provenance(), gpus=gpus)
     checkpoint = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
 
     assert draft.num_steps > 0 and draft.tau_sim >= 1.0 and draft.backoffs == []

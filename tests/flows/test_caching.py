@@ -152,7 +152,7 @@ def test_a_run_that_trains_attaches_the_drafts_training_curves(first_run):
 def test_changing_only_training_hyperparameters_reruns_train_and_export(first_run, tiny_verifier, conversations):
     config, first = first_run
 
-    result, states = _run(config.model_copy(update={"train": config.train.model_copy(update={"lr": 1e-3})}))
+    result, states = _run(config.model_copy(update={"train": config.train.model_copy(update={"lr": 3e-4})}))
 
     assert states == {**dict.fromkeys(STEPS[:4], "Cached"), **dict.fromkeys(STEPS[4:], "Completed")}
     assert result.checkpoint.digest != first.checkpoint.digest
@@ -222,7 +222,7 @@ def test_a_step_whose_cached_artifact_gc_deleted_runs_again_instead_of_handing_o
     from eagle3.store import ArtifactStore
 
     config, first = first_run
-    _run(config.model_copy(update={"train": config.train.model_copy(update={"lr": 1e-3})}))
+    _run(config.model_copy(update={"train": config.train.model_copy(update={"lr": 3e-4})}))
     assert main(["artifacts", "gc", "--keep-runs", "1", "--store", config.store_dir]) == 0
     first_draft = ArtifactStore(config.store_dir).artifact_dir(first.checkpoint.parents["draft"])
     assert not first_draft.exists()  # Prefect still holds the first run's cached draft manifest

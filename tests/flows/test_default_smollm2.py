@@ -20,7 +20,7 @@ def _manifests(store: Path) -> dict[str, dict]:
     return out
 
 
-@pytest.mark.timeout(1800)  # the README's first command at full size: about 4 minutes on 2 cores, 15 on a slow CI host
+@pytest.mark.timeout(1800)  # the README's first command at full size: about 5 minutes on 2 cores
 def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, capsys):
     store = tmp_path / "store"
 

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3 import trainer_compat  # noqa: E402
 from eagle3.config import ExtractConfig, TrainConfig, VocabConfig  # noqa: E402
 from eagle3.extract_hidden_states import extract_hidden_states  # noqa: E402
+from eagle3.isolation import fixed_devices  # noqa: E402
 from eagle3.prepare_dataset import DatasetManifest  # noqa: E402
 from eagle3.store import ArtifactStore, Provenance  # noqa: E402
 from eagle3.train import _speculators_data_dir, train_draft  # noqa: E402
@@ -151,13 +152,13 @@ def main() -> None:
     verifier = build_verifier(root / "verifier", args.layers)
     dataset = build_dataset(root / "dataset", args.samples, args.seq_len)
     aux = [1, args.layers // 2, args.layers - 1]
-    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=aux, device="cuda"), dataset, verifier, store, Provenance(), gpus=["0"])
+    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=aux, device="cuda"), dataset, verifier, store, Provenance(), claim=fixed_devices(["0"]))
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=args.draft_vocab_size), dataset, VOCAB, store, Provenance())
     cfg = TrainConfig(epochs=args.epochs, total_seq_len=args.total_seq_len, device="cuda")
 
     start = time.perf_counter()
     with PeakMemory() as pipeline_memory:
-        draft = train_draft(cfg, dataset, hidden, vocab, verifier, store, Provenance(), gpus=["0"])
+        draft = train_draft(cfg, dataset, hidden, vocab, verifier, store, Provenance(), claim=fixed_devices(["0"]))
     pipeline_s = time.perf_counter() - start
     print(f"pipeline: {draft.tokens_per_s:,.0f} tok/s/GPU, {draft.num_steps} steps, {pipeline_s:.1f} s, "
           f"peak {pipeline_memory.peak:,} MiB; seconds by phase {draft.time_breakdown_s}", flush=True)

@@ -32,6 +32,7 @@ from eagle3 import endpoint, prepare_dataset, served_acceptance, speculative, ve
 from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStateCapture, HiddenStatesManifest, resolve_device
+from eagle3.isolation import GpuClaim, fixed_devices, in_process_device
 from eagle3.prepare_dataset import read_user_turns
 from eagle3.served_acceptance import measure_served_acceptance
 from eagle3.speculative import DecodeStats, Eagle3Proposer, NgramProposer, draft_token_accuracy, greedy_decode, speculative_decode
@@ -160,10 +161,14 @@ def evaluate(
     prompts_path: Path,
     store: ArtifactStore,
     provenance: Provenance,
+    claim: GpuClaim = fixed_devices(),
 ) -> EvalManifest:
     """Measure tau of the draft: by our own speculative decoding (with the n-gram baseline, outputs
     checked against plain greedy), or (backend 'vllm') from a vLLM server's spec-decode counters,
     which has no baseline or greedy check (`greedy_tokens_per_s` and `mismatches` are None).
+
+    `claim`: the CUDA device our own decoding runs on, claimed once this run holds the step (none
+    claimed: `cfg.device`); the server backend claims nothing.
 
     Raises:
         ArtifactError: the prompts file is malformed, or the server rejected a prompt.
@@ -180,7 +185,9 @@ def evaluate(
             measured = _Measured(results=[row], num_tokens=row["tokens"], greedy_tokens_per_s=None, mismatches=None,
                                  draft_token_accuracy=None, draft_vocab_coverage=None)
         else:
-            measured = _measure_by_own_decoding(cfg, checkpoint, hidden_states, verifier, texts)
+            with claim() as gpus:
+                on_device = cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)})
+                measured = _measure_by_own_decoding(on_device, checkpoint, hidden_states, verifier, texts)
         report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches,
                   "draft_token_accuracy": measured.draft_token_accuracy, "draft_vocab_coverage": measured.draft_vocab_coverage}
         (work / "report.json").write_text(json.dumps(report, indent=2, default=float))

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from eagle3 import verifier as verifier_module
 from eagle3.config import ConfigError, ExtractConfig
-from eagle3.isolation import free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
+from eagle3.isolation import GpuClaim, fixed_devices, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import (
     ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_bytes, atomic_write_text, code_version, exclusive,
@@ -344,13 +344,14 @@ def extract_hidden_states(
     store: ArtifactStore,
     provenance: Provenance,
     on_progress=None,
-    gpus: list[str] | None = None,
+    claim: GpuClaim = fixed_devices(),
 ) -> HiddenStatesManifest:
     """Extract every shard of `dataset` not already in the store, then publish the shard list.
 
-    `gpus`: claimed CUDA devices; each attempt then runs in a child process seeing only them
-    (None: in this process on `cfg.device`). `on_progress(tokens_done, tokens_total)` is called
-    after each extracted shard.
+    `claim`: the CUDA devices to extract on, claimed only if a shard is left to extract; each
+    attempt then runs in a child process seeing only them (none claimed: in this process on
+    `cfg.device`). Shards, not the step, are locked: concurrent runs on overlapping data split the
+    shards between them. `on_progress(tokens_done, tokens_total)` is called after each extracted shard.
 
     Raises:
         ConfigError: aux layer ids out of range for the verifier.
@@ -381,20 +382,24 @@ def extract_hidden_states(
         if on_progress is not None:
             on_progress(done, total)
 
-    device = "cuda" if gpus else str(resolve_device(cfg.device))
     backoffs: list[dict] = []
+    gpu_memory_after = None
     budget = cfg.prefill_batch_tokens
-    while todo:
-        attempt = {"dataset": dataset, "verifier": verifier, "aux": aux, "device": device, "shard_root": shard_root,
-                   "todo": [(k, keys[k], shards[k]) for k in todo], "budget": budget}
-        oom = run_attempt(_extract_attempt, attempt, gpus, shard_done)
-        todo = [k for k in todo if not finished(k)]
-        if oom is not None:
-            budget = halve_after_oom(
-                "extract.prefill_batch_tokens", budget, cfg.min_prefill_batch_tokens, backoffs, oom["error"],
-                f"in shard {oom['shard']}", "Finished shards are kept. Lower dataset.max_seq_len or "
-                "extract.min_prefill_batch_tokens, or use a device with more memory.", shard=oom["shard"],
-            )
+    if todo:
+        with claim() as gpus:
+            device = "cuda" if gpus else str(resolve_device(cfg.device))
+            while todo:
+                attempt = {"dataset": dataset, "verifier": verifier, "aux": aux, "device": device, "shard_root": shard_root,
+                           "todo": [(k, keys[k], shards[k]) for k in todo], "budget": budget}
+                oom = run_attempt(_extract_attempt, attempt, gpus, shard_done)
+                todo = [k for k in todo if not finished(k)]
+                if oom is not None:
+                    budget = halve_after_oom(
+                        "extract.prefill_batch_tokens", budget, cfg.min_prefill_batch_tokens, backoffs, oom["error"],
+                        f"in shard {oom['shard']}", "Finished shards are kept. Lower dataset.max_seq_len or "
+                        "extract.min_prefill_batch_tokens, or use a device with more memory.", shard=oom["shard"],
+                    )
+            gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
 
     listing = [
         {"key": key, "first_record": shard[0], "num_records": len(shard),
@@ -416,7 +421,7 @@ def extract_hidden_states(
                 extracted_shards=extracted,
                 reused_shards=len(keys) - extracted,
                 backoffs=backoffs,
-                gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
+                gpu_memory_after_mib=gpu_memory_after,
                 seconds=clock(),
             ),
         )

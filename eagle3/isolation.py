@@ -25,13 +25,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "ChildProcessFailed",
+    "GpuClaim",
     "die_with_parent",
+    "fixed_devices",
     "free_device_memory",
     "gpu_memory_used_mib",
     "halve_after_oom",
@@ -43,6 +45,16 @@ __all__ = [
 
 
 logger = logging.getLogger(__name__)
+
+GpuClaim = Callable[[], AbstractContextManager["list[str] | None"]]
+"""How a step gets its GPUs: entered only when the step has work for them, and after it holds its
+work directory, so a run waiting for another run of the same step holds no GPU. Yields the claimed
+devices' CUDA_VISIBLE_DEVICES names, or None to work in this process on the configured device."""
+
+
+def fixed_devices(devices: list[str] | None = None) -> GpuClaim:
+    """A claim of devices the caller already owns (None: no GPU), for callers without a scheduler."""
+    return lambda: nullcontext(devices)
 
 
 class ChildProcessFailed(RuntimeError):

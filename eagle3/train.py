@@ -34,7 +34,7 @@ from pydantic import Field
 from eagle3 import train_timing, train_worker, trainer_compat, warm_start
 from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest, hidden_state_files, resolve_device
-from eagle3.isolation import dying_with_parent, gpu_memory_used_mib, halve_after_oom
+from eagle3.isolation import GpuClaim, dying_with_parent, fixed_devices, gpu_memory_used_mib, halve_after_oom
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.promotion import promoted_checkpoints
 from eagle3.store import MANIFEST, ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
@@ -201,15 +201,16 @@ def train_draft(
     store: ArtifactStore,
     provenance: Provenance,
     on_step=None,
-    gpus: list[str] | None = None,
+    claim: GpuClaim = fixed_devices(),
     init: DraftManifest | None = None,
 ) -> DraftManifest:
     """Train an EAGLE-3 draft; resumes from the last epoch checkpoint of an interrupted run.
 
     `init`: an earlier draft whose trainable weights training starts from (None: fresh weights).
-    `gpus`: claimed CUDA devices; training then runs under torchrun, one process per device
-    (None: in this process on `cfg.device`). On out-of-memory, relaunches from the last
-    checkpoint with half the `total_seq_len`, down to `cfg.min_total_seq_len`.
+    `claim`: the CUDA devices to train on, claimed once this run holds the step; training then runs
+    under torchrun, one process per device (none claimed: in this process on `cfg.device`). On
+    out-of-memory, relaunches from the last checkpoint with half the `total_seq_len`, down to
+    `cfg.min_total_seq_len`.
     `on_step(step, total, metrics)` is called after every optimizer step (for progress reports).
     """
     with store.step_work_dir(DraftManifest, provenance) as (work, published):
@@ -217,19 +218,21 @@ def train_draft(
             return published
         clock, started_at = Stopwatch(), time.time()  # not counting a wait for another run of this step
         _speculators_data_dir(work, dataset, hidden_states)
-        spec = TrainSpec(
-            cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=hidden_states.aux_layer_ids,
-            hidden_size=hidden_states.hidden_size, vocab=vocab, total_seq_len=cfg.total_seq_len,
-            device="cuda" if gpus else str(resolve_device(cfg.device)),
-            init_checkpoint=init.path / init.checkpoint if init else None,
-        )
         backoffs: list[dict] = []
-        while (oom := _torchrun(spec, gpus, on_step, store.root / "compile-cache") if gpus else _in_process(spec, on_step)) is not None:
-            halved = halve_after_oom(
-                "train.total_seq_len", spec.total_seq_len, cfg.min_total_seq_len, backoffs, oom, "in a training step",
-                f"Finished epochs are kept in {spec.checkpoints}: a re-run resumes from the last.",
+        with claim() as gpus:
+            spec = TrainSpec(
+                cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=hidden_states.aux_layer_ids,
+                hidden_size=hidden_states.hidden_size, vocab=vocab, total_seq_len=cfg.total_seq_len,
+                device="cuda" if gpus else str(resolve_device(cfg.device)),
+                init_checkpoint=init.path / init.checkpoint if init else None,
             )
-            spec = spec.model_copy(update={"total_seq_len": halved})
+            while (oom := _torchrun(spec, gpus, on_step, store.root / "compile-cache") if gpus else _in_process(spec, on_step)) is not None:
+                halved = halve_after_oom(
+                    "train.total_seq_len", spec.total_seq_len, cfg.min_total_seq_len, backoffs, oom, "in a training step",
+                    f"Finished epochs are kept in {spec.checkpoints}: a re-run resumes from the last.",
+                )
+                spec = spec.model_copy(update={"total_seq_len": halved})
+            gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
 
         last_epoch = max((int(p.name) for p in spec.checkpoints.iterdir() if p.name.isdigit()), default=-1)
         if last_epoch != cfg.epochs - 1:  # speculators saves and returns on SIGINT/SIGTERM instead of raising
@@ -258,7 +261,7 @@ def train_draft(
                 aux_layer_ids=hidden_states.aux_layer_ids,
                 finished_at=datetime.now(timezone.utc),
                 backoffs=backoffs,
-                gpu_memory_after_mib=gpu_memory_used_mib(gpus) if gpus else None,
+                gpu_memory_after_mib=gpu_memory_after,
                 tokens_per_s=train_timing.median_tokens_per_s(spec.timing_log),
                 time_breakdown_s=train_timing.time_breakdown(spec.timing_log, started_at, time.time()),
                 seconds=clock(),

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from prefect import task
@@ -9,7 +10,6 @@ from eagle3 import evaluate as step
 from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStatesManifest
-from eagle3.isolation import in_process_device
 from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
@@ -29,9 +29,7 @@ def evaluate_task(
 ) -> step.EvalManifest:
     store = run_store(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts)
-    # A server backend runs elsewhere and claims nothing; in-process work runs on the claimed GPU.
-    with claim_gpus(cfg.device if cfg.backend == "transformers" else "cpu") as gpus:
-        manifest = step.evaluate(cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)}), checkpoint, hidden_states, verifier, prompts, store, provenance)
+    manifest = step.evaluate(cfg, checkpoint, hidden_states, verifier, prompts, store, provenance, claim=partial(claim_gpus, cfg.device))
     create_table_artifact(
         key="acceptance-length",
         table=[{**r, "acceptance_by_position": [round(a, 3) for a in r["acceptance_by_position"]]} for r in manifest.results],

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from functools import partial
+
 from prefect import task
 
 from eagle3 import extract_hidden_states as step
@@ -19,10 +21,9 @@ def extract_hidden_states_task(
 ) -> step.HiddenStatesManifest:
     store = run_store(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, dataset=dataset, verifier=verifier)
-    with claim_gpus(cfg.device) as gpus:
-        manifest = step.extract_hidden_states(
-            cfg, dataset, verifier, store, provenance, on_progress=Progress("extract hidden states (tokens)"), gpus=gpus
-        )
+    manifest = step.extract_hidden_states(
+        cfg, dataset, verifier, store, provenance, on_progress=Progress("extract hidden states (tokens)"), claim=partial(claim_gpus, cfg.device)
+    )
     publish_step_report(
         manifest,
         manifest.model_dump(include={"aux_layer_ids", "num_records", "num_tokens", "extracted_shards", "reused_shards", "backoffs", "gpu_memory_after_mib"}),

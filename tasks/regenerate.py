@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from prefect import task
@@ -18,10 +19,9 @@ from tasks.store import run_store
 def regenerate_task(store_dir: str, cfg: RegenerateConfig, source: Path, verifier: VerifierManifest) -> step.RegeneratedManifest:
     store = run_store(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
-    # A server backend runs elsewhere and claims nothing; the transformers backend runs each
-    # attempt in a child process on the claimed GPU.
-    with claim_gpus(cfg.device if cfg.backend == "transformers" else "cpu") as gpus:
-        manifest = step.regenerate(cfg, source, verifier, store, provenance, on_progress=Progress("regenerate (records)"), gpus=gpus)
+    manifest = step.regenerate(
+        cfg, source, verifier, store, provenance, on_progress=Progress("regenerate (records)"), claim=partial(claim_gpus, cfg.device)
+    )
     numbers = manifest.model_dump(include={"num_records", "num_generated_tokens", "backoffs", "gpu_memory_after_mib"})
     publish_step_report(manifest, {**numbers, "failed": len(manifest.failed)})
     return manifest

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from functools import partial
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -30,10 +32,10 @@ def train_draft_task(
     provenance = step_provenance(
         step, store, cfg=cfg, dataset=dataset, hidden_states=hidden_states, vocab=vocab, verifier=verifier, init=init
     )
-    with claim_gpus(cfg.device, cfg.num_gpus) as gpus:
-        manifest = step.train_draft(
-            cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)"), gpus=gpus, init=init
-        )
+    manifest = step.train_draft(
+        cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)"),
+        claim=partial(claim_gpus, cfg.device, cfg.num_gpus), init=init,
+    )
     publish_step_report(manifest, manifest.model_dump(include={"num_steps", "tau_sim", "tokens_per_s", "time_breakdown_s", "backoffs", "gpu_memory_after_mib"}))
     publish_image("training-curves", manifest.path / manifest.curves, "training curves: loss and acceptance per TTT step")
     return manifest

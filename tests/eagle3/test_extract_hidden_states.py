@@ -3,6 +3,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -134,6 +135,24 @@ def test_a_shard_another_run_is_extracting_is_waited_for_then_reused(prepared, t
     manifest = result["manifest"]
     assert (manifest.extracted_shards, manifest.reused_shards) == (2, 1)
     assert manifest.digest == reference.digest
+
+
+def test_a_run_whose_shards_are_all_extracted_claims_no_gpu(prepared):
+    store, verifier, dataset = prepared
+    cfg = ExtractConfig(aux_layer_ids=AUX)
+    claims = []
+
+    @contextmanager
+    def claim():
+        claims.append(len(claims))
+        yield None
+
+    first = extract_hidden_states(cfg, dataset, verifier, store, Provenance(config={"run": "claims 1"}), claim=claim)
+    claimed_by_first = list(claims)  # another test of this module may have extracted these shards already
+    second = extract_hidden_states(cfg, dataset, verifier, store, Provenance(config={"run": "claims 2"}), claim=claim)
+
+    assert claimed_by_first == ([0] if first.extracted_shards else [])
+    assert second.extracted_shards == 0 and claims == claimed_by_first
 
 
 def test_verify_shard_names_file_and_field_on_mismatch(prepared, tmp_path):

@@ -16,6 +16,7 @@ from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, Regenerate
 from eagle3.evaluate import load_draft
 from eagle3.export import export_checkpoint
 from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_states, hidden_state_files
+from eagle3.isolation import fixed_devices
 from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
 from eagle3.regenerate import regenerate
 from eagle3.speculative import Eagle3Proposer, greedy_decode, speculative_decode
@@ -40,7 +41,7 @@ def test_gpu_extraction_in_a_child_process_matches_cpu(steps, tmp_path):
     _, verifier, dataset = steps
 
     # Separate stores: the device is not part of a shard's key, so one store would reuse the shards.
-    gpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, ArtifactStore(tmp_path / "gpu"), Provenance(), gpus=["0"])
+    gpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, ArtifactStore(tmp_path / "gpu"), Provenance(), claim=fixed_devices(["0"]))
     cpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cpu"), dataset, verifier, ArtifactStore(tmp_path / "cpu"), Provenance())
 
     a, b = hidden_state_files(gpu), hidden_state_files(cpu)
@@ -53,7 +54,7 @@ def test_gpu_regeneration_runs_in_a_child_process_and_reports_memory(steps, tmp_
     source = write_jsonl(tmp_path / "prompts.jsonl", [{"id": str(i), "prompt": f"Count to {i}."} for i in range(6)])
 
     manifest = regenerate(RegenerateConfig(enabled=True, max_new_tokens=16, batch_size=4, device="cuda"), source, verifier,
-                          store, Provenance(config={"r": "gpu"}), gpus=["0"])
+                          store, Provenance(config={"r": "gpu"}), claim=fixed_devices(["0"]))
 
     assert manifest.num_records + len(manifest.failed) == 6 and manifest.backoffs == []
     assert set(manifest.gpu_memory_after_mib) == {"0"}
@@ -61,11 +62,11 @@ def test_gpu_regeneration_runs_in_a_child_process_and_reports_memory(steps, tmp_
 
 def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_and_decodes(steps):
     store, verifier, dataset = steps
-    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, store, Provenance(config={"d": "cuda"}), gpus=["0"])
+    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, store, Provenance(config={"d": "cuda"}), claim=fixed_devices(["0"]))
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=512), dataset, verifier.vocab_size, store, Provenance())
     gpus = [str(i) for i in range(torch.cuda.device_count())]
 
-    draft = train_draft(TrainConfig(epochs=2, total_seq_len=512, device="cuda", num_gpus=len(gpus)), dataset, hidden, vocab, verifier, store, Provenance(), gpus=gpus)
+    draft = train_draft(TrainConfig(epochs=2, total_seq_len=512, device="cuda", num_gpus=len(gpus)), dataset, hidden, vocab, verifier, store, Provenance(), claim=fixed_devices(gpus))
     checkpoint = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
 
     assert draft.num_steps > 0 and draft.tau_sim >= 1.0 and draft.backoffs == []
@@ -97,7 +98,7 @@ def test_real_cuda_out_of_memory_backs_off_to_a_batch_that_fits(tmp_path):
     try:
         assert filler.stdout.readline().strip() == "filled"
         cfg = ExtractConfig(aux_layer_ids=AUX, device="cuda", prefill_batch_tokens=16384, min_prefill_batch_tokens=256)
-        manifest = extract_hidden_states(cfg, dataset, verifier, store, Provenance(), gpus=["0"])
+        manifest = extract_hidden_states(cfg, dataset, verifier, store, Provenance(), claim=fixed_devices(["0"]))
     finally:
         filler.kill()
         filler.wait()

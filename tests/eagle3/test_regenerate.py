@@ -1,7 +1,11 @@
 from __future__ import annotations
 
 import json
+import logging
+import threading
+import time
 import urllib.request
+from contextlib import contextmanager
 
 import pyarrow.parquet as pq
 import pytest
@@ -13,7 +17,7 @@ from eagle3.endpoint import EndpointError
 from eagle3.extract_hidden_states import FAULT_OOM_ENV
 from eagle3.isolation import run_attempt
 from eagle3.prepare_dataset import read_user_turns
-from eagle3.regenerate import _answer_text, _transformers_attempt, regenerate
+from eagle3.regenerate import RegeneratedManifest, _answer_text, _transformers_attempt, regenerate
 from eagle3.speculative import greedy_decode
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
@@ -93,6 +97,60 @@ def test_a_rerun_after_a_crash_regenerates_only_what_is_missing(verifier, prompt
     rows = {r["id"]: r for r in pq.read_table(out.path / "conversations.parquet").to_pylist()}
     assert rows["a"]["messages"][1]["content"] == "FOUR"
     assert len(rows) == 3
+
+
+def test_a_run_waiting_for_another_run_of_the_step_claims_its_gpu_only_once_it_holds_the_step(verifier, prompts):
+    store, manifest = verifier
+    provenance = Provenance(config={"run": "claimed"})
+    claimed_at, waits, results = [], [], []
+
+    @contextmanager
+    def claim():
+        claimed_at.append(time.monotonic())
+        yield None
+
+    class Waits(logging.Handler):
+        def emit(self, record):
+            waits.append(record.getMessage())
+
+    handler = Waits()
+    logging.getLogger("eagle3.store").addHandler(handler)
+    thread = threading.Thread(target=lambda: results.append(regenerate(CFG, prompts, manifest, store, provenance, claim=claim)))
+    try:
+        with store.step_work_dir(RegeneratedManifest, provenance):  # another run is doing the step
+            thread.start()
+            deadline = time.monotonic() + 30
+            while not any("waiting for another run of step 'regenerated'" in m for m in waits):
+                assert time.monotonic() < deadline, "the second run did not wait"
+                time.sleep(0.05)
+            assert claimed_at == []
+            released_at = time.monotonic()
+        thread.join(60)
+    finally:
+        logging.getLogger("eagle3.store").removeHandler(handler)
+
+    [claimed] = claimed_at  # the other run published nothing, so this one did the step, on its claim
+    assert claimed >= released_at
+    assert results[0].num_records == 3
+
+
+def test_a_rerun_with_every_record_finished_claims_no_gpu(verifier, prompts):
+    store, manifest = verifier
+    provenance = Provenance(config={"run": "all done"})
+    answered = pq.read_table(regenerate(CFG, prompts, manifest, store, Provenance(config={"run": "first"})).path / "conversations.parquet")
+    (work_dir_path(store, "regenerated", provenance.key) / "done.jsonl").write_text(  # a run killed before publishing
+        "".join(json.dumps({**row, "tokens": 1}) + "\n" for row in answered.to_pylist())
+    )
+    claims = []
+
+    @contextmanager
+    def claim():
+        claims.append(time.monotonic())
+        yield None
+
+    out = regenerate(CFG, prompts, manifest, store, provenance, claim=claim)
+
+    assert claims == [] and out.num_records == 3
 
 
 def test_a_torn_last_line_of_the_done_log_is_dropped_and_its_record_redone(verifier, prompts):

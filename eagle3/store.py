@@ -4,7 +4,7 @@ Layout under the store root:
 
     artifacts/<digest>/            one finished artifact; `manifest.json` is written last
     work/<step>-<key>/             a step's unfinished output, kept across crashes for resume
-    locks/                         one lock file per work directory and per hidden-state shard
+    locks/                         a lock file per work directory or hidden-state shard in use
     published/<kind>-<key>         the digest of the artifact published for a step's provenance key
     compile-cache/                 torch.compile's cache for GPU training (TORCHINDUCTOR_CACHE_DIR)
     file-digests.json              memo of streamed file digests by (path, size, mtime)
@@ -134,17 +134,43 @@ def digest_file(path: Path) -> str:
 def exclusive(lock: Path, what: str) -> Iterator[bool]:
     """Hold an exclusive lock on the file `lock` (created if missing). While another process holds
     it, log that this one is waiting for `what`, then wait. The system releases it if the holder dies.
-    Yields whether it had to wait."""
+    Yields whether it had to wait.
+
+    The holder removes the file before releasing it, so lock files do not pile up; a waiter that then
+    gets the lock on the removed file tries again on whatever file the path names now."""
     lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as handle:
+    waited = False
+    while True:
+        handle = open(lock, "a")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            waited = False
-        except BlockingIOError:
-            logger.warning("waiting for %s (%s is held by another process)", what, lock)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            waited = True
-        yield waited  # released when the file closes
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not waited:
+                    logger.warning("waiting for %s (%s is held by another process)", what, lock)
+                waited = True
+                fcntl.flock(handle, fcntl.LOCK_EX)
+        except BaseException:
+            handle.close()
+            raise
+        if _names(lock, handle):
+            break
+        handle.close()
+    try:
+        yield waited
+    finally:
+        lock.unlink(missing_ok=True)
+        handle.close()
+
+
+def _names(path: Path, handle) -> bool:
+    """Whether `path` still names the open file `handle`."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(handle.fileno())
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _fsync(path: Path) -> None:

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import fcntl
 import logging
 import subprocess
 import sys
 import threading
 
-from eagle3.store import TEMP_SUFFIX, ArtifactStore, atomic_write_text
+from eagle3.store import TEMP_SUFFIX, ArtifactStore, atomic_write_text, exclusive
 
 HOLD = """
 import sys
@@ -57,6 +58,40 @@ def test_different_steps_and_inputs_do_not_wait_for_each_other(tmp_path):
     store = ArtifactStore(tmp_path)
     with store.work_dir("dataset", "a" * 64) as a, store.work_dir("dataset", "b" * 64) as b, store.work_dir("draft", "a" * 64) as c:
         assert len({a, b, c}) == 3 and all(p.is_dir() for p in (a, b, c))
+
+
+def test_lock_files_go_when_their_holders_finish(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with store.work_dir("dataset", "a" * 64), store.work_dir("draft", "b" * 64):
+        assert len(list((tmp_path / "locks").iterdir())) == 2
+
+    assert list((tmp_path / "locks").iterdir()) == []
+
+
+def test_a_waiter_that_gets_a_removed_lock_file_waits_again_for_the_one_its_path_names(tmp_path):
+    path = tmp_path / "step.lock"
+    entered = threading.Event()
+
+    def waiter():
+        with exclusive(path, "the step"):
+            entered.set()
+
+    with open(path, "a") as first:
+        fcntl.flock(first, fcntl.LOCK_EX)
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        assert not entered.wait(1)
+        # The holder removes the file and releases it; a third run creates the path anew and takes it
+        # before the waiter wakes on the removed file.
+        path.unlink()
+        with open(path, "a") as third:
+            fcntl.flock(third, fcntl.LOCK_EX)
+            first.close()
+            assert not entered.wait(1), "the waiter entered on the removed file while the path's file is held"
+        thread.join(30)
+
+    assert entered.is_set()
+    assert not path.exists()
 
 
 def test_entering_a_work_dir_removes_a_write_a_killed_run_left_half_done(tmp_path):

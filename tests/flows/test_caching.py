@@ -92,6 +92,7 @@ def test_identical_second_run_is_entirely_cached_and_says_nothing_changed(first_
     )
     assert second.checkpoint.producer == first.checkpoint.producer
     assert first.checkpoint.producer.flow_run_id == first.lineage.run_id
+    assert list((Path(config.store_dir) / "locks").iterdir()) == []  # every step's and shard's lock went with it
     nodes = lineage(ArtifactStore(config.store_dir), [second.checkpoint.digest])
     origins = {row["kind"]: row["origin"] for row in lineage_table(nodes, second.lineage.run_id)}
     assert origins["checkpoint"] == origins["draft"] == f"cached: produced by run {first.lineage.run_id}"

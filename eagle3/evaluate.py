@@ -32,7 +32,7 @@ from eagle3 import endpoint, prepare_dataset, served_acceptance, speculative, ve
 from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStateCapture, HiddenStatesManifest, resolve_device
-from eagle3.isolation import GpuClaim, fixed_devices, in_process_device
+from eagle3.isolation import NO_GPU, GpuClaim, in_process_device
 from eagle3.prepare_dataset import read_user_turns
 from eagle3.served_acceptance import measure_served_acceptance
 from eagle3.speculative import DecodeStats, Eagle3Proposer, NgramProposer, draft_token_accuracy, greedy_decode, speculative_decode
@@ -161,7 +161,7 @@ def evaluate(
     prompts_path: Path,
     store: ArtifactStore,
     provenance: Provenance,
-    claim: GpuClaim = fixed_devices(),
+    claim: GpuClaim = NO_GPU,
 ) -> EvalManifest:
     """Measure tau of the draft: by our own speculative decoding (with the n-gram baseline, outputs
     checked against plain greedy), or (backend 'vllm') from a vLLM server's spec-decode counters,
@@ -179,13 +179,13 @@ def evaluate(
     with store.step_work_dir(EvalManifest, provenance) as (work, published):
         if published is not None:
             return published
-        clock = Stopwatch()  # not counting a wait for another run of this step
+        clock = Stopwatch()  # not counting a wait for another run of this step, or for a GPU
         if cfg.backend == "vllm":
             row = measure_served_acceptance(cfg, texts, prompts_path)
             measured = _Measured(results=[row], num_tokens=row["tokens"], greedy_tokens_per_s=None, mismatches=None,
                                  draft_token_accuracy=None, draft_vocab_coverage=None)
         else:
-            with claim() as gpus:
+            with clock.excluding_wait(claim()) as gpus:
                 on_device = cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)})
                 measured = _measure_by_own_decoding(on_device, checkpoint, hidden_states, verifier, texts)
         report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches,

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from eagle3 import verifier as verifier_module
 from eagle3.config import ConfigError, ExtractConfig
-from eagle3.isolation import GpuClaim, fixed_devices, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
+from eagle3.isolation import NO_GPU, GpuClaim, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import (
     ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_bytes, atomic_write_text, code_version, exclusive,
@@ -344,14 +344,15 @@ def extract_hidden_states(
     store: ArtifactStore,
     provenance: Provenance,
     on_progress=None,
-    claim: GpuClaim = fixed_devices(),
+    claim: GpuClaim = NO_GPU,
 ) -> HiddenStatesManifest:
     """Extract every shard of `dataset` not already in the store, then publish the shard list.
 
     `claim`: the CUDA devices to extract on, claimed only if a shard is left to extract; each
     attempt then runs in a child process seeing only them (none claimed: in this process on
-    `cfg.device`). Shards, not the step, are locked: concurrent runs on overlapping data split the
-    shards between them. `on_progress(tokens_done, tokens_total)` is called after each extracted shard.
+    `cfg.device`). Shards, not the step, are locked: a run that needs a shard another run is
+    extracting waits for it (holding its claim), then reuses it. `on_progress(tokens_done,
+    tokens_total)` is called after each extracted shard.
 
     Raises:
         ConfigError: aux layer ids out of range for the verifier.
@@ -386,7 +387,8 @@ def extract_hidden_states(
     gpu_memory_after = None
     budget = cfg.prefill_batch_tokens
     if todo:
-        with claim() as gpus:
+        with clock.excluding_wait(claim()) as gpus:
+            todo = [k for k in todo if not finished(k)]  # another run may have extracted some while this one waited
             device = "cuda" if gpus else str(resolve_device(cfg.device))
             while todo:
                 attempt = {"dataset": dataset, "verifier": verifier, "aux": aux, "device": device, "shard_root": shard_root,

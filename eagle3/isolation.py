@@ -31,6 +31,7 @@ from typing import Any
 
 __all__ = [
     "ChildProcessFailed",
+    "NO_GPU",
     "GpuClaim",
     "die_with_parent",
     "fixed_devices",
@@ -47,14 +48,18 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GpuClaim = Callable[[], AbstractContextManager["list[str] | None"]]
-"""How a step gets its GPUs: entered only when the step has work for them, and after it holds its
-work directory, so a run waiting for another run of the same step holds no GPU. Yields the claimed
-devices' CUDA_VISIBLE_DEVICES names, or None to work in this process on the configured device."""
+"""How a step gets its GPUs: entered after the step holds its work directory, so a run waiting for
+another run of the same step holds no GPU (extraction, which locks shards instead, holds it while
+it waits for a shard another run is extracting). Yields the claimed devices' CUDA_VISIBLE_DEVICES
+names, or None to work in this process on the configured device."""
 
 
-def fixed_devices(devices: list[str] | None = None) -> GpuClaim:
+def fixed_devices(devices: list[str] | None) -> GpuClaim:
     """A claim of devices the caller already owns (None: no GPU), for callers without a scheduler."""
     return lambda: nullcontext(devices)
+
+
+NO_GPU = fixed_devices(None)
 
 
 class ChildProcessFailed(RuntimeError):

@@ -47,7 +47,7 @@ from eagle3 import endpoint, prepare_dataset, verifier as verifier_module
 from eagle3.config import RegenerateConfig
 from eagle3.endpoint import EndpointError, RequestRejected, chat, open_client
 from eagle3.extract_hidden_states import FAULT_OOM_ENV, resolve_device
-from eagle3.isolation import GpuClaim, fixed_devices, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
+from eagle3.isolation import NO_GPU, GpuClaim, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import Record, read_user_turns
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.verifier import VerifierManifest, compute_dtype, eos_token_ids, load_text_model, load_tokenizer
@@ -194,27 +194,25 @@ def _transformers_attempt(
 
 
 def _regenerate_by_transformers(
-    todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, done_log: Path, claim: GpuClaim, records_done
-) -> tuple[list[dict], dict[str, int] | None]:
-    """Run attempts until every record of `todo` is in `done_log`; the back-offs taken and the
-    claimed GPUs' memory use at the end."""
+    todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, done_log: Path, gpus: list[str] | None, records_done
+) -> list[dict]:
+    """Run attempts until every record of `todo` is in `done_log`; the back-offs taken."""
+    device = "cuda" if gpus else str(resolve_device(cfg.device))
     backoffs: list[dict] = []
     batch_size = cfg.batch_size
-    with claim() as gpus:
-        device = "cuda" if gpus else str(resolve_device(cfg.device))
-        while todo:
-            attempt = {"todo": todo, "cfg": cfg, "verifier": verifier, "device": device, "batch_size": batch_size, "done_log": done_log}
-            oom = run_attempt(_transformers_attempt, attempt, gpus, records_done)
-            finished = _read_done(done_log)
-            todo = [r for r in todo if r[0] not in finished]
-            assert oom is not None or not todo, "an attempt without an out-of-memory error left records unfinished"
-            if oom is not None:
-                batch_size = halve_after_oom(
-                    "regenerate.batch_size", batch_size, cfg.min_batch_size, backoffs, oom["error"], f"on records {oom['records']}",
-                    f"Finished records are kept in {done_log}: a re-run resumes there. Lower regenerate.min_batch_size "
-                    "or max_new_tokens, shorten those prompts, or use a device with more memory.", records=oom["records"],
-                )
-        return backoffs, gpu_memory_used_mib(gpus) if gpus else None
+    while todo:
+        attempt = {"todo": todo, "cfg": cfg, "verifier": verifier, "device": device, "batch_size": batch_size, "done_log": done_log}
+        oom = run_attempt(_transformers_attempt, attempt, gpus, records_done)
+        finished = _read_done(done_log)
+        todo = [r for r in todo if r[0] not in finished]
+        assert oom is not None or not todo, "an attempt without an out-of-memory error left records unfinished"
+        if oom is not None:
+            batch_size = halve_after_oom(
+                "regenerate.batch_size", batch_size, cfg.min_batch_size, backoffs, oom["error"], f"on records {oom['records']}",
+                f"Finished records are kept in {done_log}: a re-run resumes there. Lower regenerate.min_batch_size "
+                "or max_new_tokens, shorten those prompts, or use a device with more memory.", records=oom["records"],
+            )
+    return backoffs
 
 
 def _answers_by_server(todo: list[Record], cfg: RegenerateConfig) -> Iterator[dict]:
@@ -265,7 +263,7 @@ def regenerate(
     store: ArtifactStore,
     provenance: Provenance,
     on_progress=None,
-    claim: GpuClaim = fixed_devices(),
+    claim: GpuClaim = NO_GPU,
 ) -> RegeneratedManifest:
     """Have the verifier answer every user turn of `source`; publish the conversations.
 
@@ -284,7 +282,7 @@ def regenerate(
     with store.step_work_dir(RegeneratedManifest, provenance) as (work, published):
         if published is not None:
             return published
-        clock = Stopwatch()  # not counting a wait for another run of this step
+        clock = Stopwatch()  # not counting a wait for another run of this step, or for a GPU
         done_log = work / "done.jsonl"
         done = _read_done(done_log)
         todo = [r for r in records if r[0] not in done]
@@ -300,7 +298,9 @@ def regenerate(
                 if cfg.backend == "openai":
                     _regenerate_by_server(todo, cfg, done_log, records_done)
                 else:
-                    backoffs, gpu_memory_after = _regenerate_by_transformers(todo, cfg, verifier, done_log, claim, records_done)
+                    with clock.excluding_wait(claim()) as gpus:
+                        backoffs = _regenerate_by_transformers(todo, cfg, verifier, done_log, gpus, records_done)
+                        gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
             done = _read_done(done_log)
 
         ok = [done[r[0]] for r in records if "failed" not in done[r[0]]]

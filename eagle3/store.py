@@ -4,7 +4,7 @@ Layout under the store root:
 
     artifacts/<digest>/            one finished artifact; `manifest.json` is written last
     work/<step>-<key>/             a step's unfinished output, kept across crashes for resume
-    locks/                         a lock file per work directory or hidden-state shard in use
+    locks/                         a lock file per work directory or hidden-state shard in use (or left by a killed run)
     published/<kind>-<key>         the digest of the artifact published for a step's provenance key
     compile-cache/                 torch.compile's cache for GPU training (TORCHINDUCTOR_CACHE_DIR)
     file-digests.json              memo of streamed file digests by (path, size, mtime)
@@ -28,9 +28,9 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -56,6 +56,7 @@ TEMP_SUFFIX = ".tmp"  # atomic_write_bytes' temp files: one left behind was a wr
 _CHUNK = 1 << 20
 
 M = TypeVar("M", bound="ArtifactManifest")
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
@@ -136,8 +137,9 @@ def exclusive(lock: Path, what: str) -> Iterator[bool]:
     it, log that this one is waiting for `what`, then wait. The system releases it if the holder dies.
     Yields whether it had to wait.
 
-    The holder removes the file before releasing it, so lock files do not pile up; a waiter that then
-    gets the lock on the removed file tries again on whatever file the path names now."""
+    The holder removes the file before releasing it, so lock files do not pile up (a killed holder's
+    stays until the next holder is done); a waiter that then gets the lock on the removed file tries
+    again on whatever file the path names now."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     waited = False
     while True:
@@ -153,17 +155,20 @@ def exclusive(lock: Path, what: str) -> Iterator[bool]:
         except BaseException:
             handle.close()
             raise
-        if _names(lock, handle):
+        if _path_still_names(lock, handle):
             break
         handle.close()
+        waited = True  # the file was removed under us: another run held the lock and finished
     try:
         yield waited
     finally:
-        lock.unlink(missing_ok=True)
-        handle.close()
+        try:
+            lock.unlink(missing_ok=True)
+        finally:
+            handle.close()
 
 
-def _names(path: Path, handle) -> bool:
+def _path_still_names(path: Path, handle: IO) -> bool:
     """Whether `path` still names the open file `handle`."""
     try:
         named = os.stat(path)
@@ -331,10 +336,23 @@ def code_version(module) -> str:
 
 
 class Stopwatch:
-    """Seconds since construction, for manifests' `seconds`."""
+    """Seconds since construction, for manifests' `seconds`, less any time spent waiting to enter
+    something through `excluding_wait` (a GPU another run holds is not this step's time)."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
+        self.wall_start = time.time()  # the same moment by the wall clock, moved by the same waits
 
     def __call__(self) -> float:
         return round(time.perf_counter() - self.start, 3)
+
+    @contextmanager
+    def excluding_wait(self, manager: AbstractContextManager[T]) -> Iterator[T]:
+        """Enter `manager` without counting the wait to enter it."""
+        with ExitStack() as stack:
+            before = time.perf_counter()
+            value = stack.enter_context(manager)
+            waited = time.perf_counter() - before
+            self.start += waited
+            self.wall_start += waited
+            yield value

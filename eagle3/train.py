@@ -34,7 +34,7 @@ from pydantic import Field
 from eagle3 import train_timing, train_worker, trainer_compat, warm_start
 from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest, hidden_state_files, resolve_device
-from eagle3.isolation import GpuClaim, dying_with_parent, fixed_devices, gpu_memory_used_mib, halve_after_oom
+from eagle3.isolation import NO_GPU, GpuClaim, dying_with_parent, gpu_memory_used_mib, halve_after_oom
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.promotion import promoted_checkpoints
 from eagle3.store import MANIFEST, ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
@@ -201,7 +201,7 @@ def train_draft(
     store: ArtifactStore,
     provenance: Provenance,
     on_step=None,
-    claim: GpuClaim = fixed_devices(),
+    claim: GpuClaim = NO_GPU,
     init: DraftManifest | None = None,
 ) -> DraftManifest:
     """Train an EAGLE-3 draft; resumes from the last epoch checkpoint of an interrupted run.
@@ -216,10 +216,10 @@ def train_draft(
     with store.step_work_dir(DraftManifest, provenance) as (work, published):
         if published is not None:
             return published
-        clock, started_at = Stopwatch(), time.time()  # not counting a wait for another run of this step
+        clock = Stopwatch()  # not counting a wait for another run of this step, or for a GPU
         _speculators_data_dir(work, dataset, hidden_states)
         backoffs: list[dict] = []
-        with claim() as gpus:
+        with clock.excluding_wait(claim()) as gpus:
             spec = TrainSpec(
                 cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=hidden_states.aux_layer_ids,
                 hidden_size=hidden_states.hidden_size, vocab=vocab, total_seq_len=cfg.total_seq_len,
@@ -263,7 +263,7 @@ def train_draft(
                 backoffs=backoffs,
                 gpu_memory_after_mib=gpu_memory_after,
                 tokens_per_s=train_timing.median_tokens_per_s(spec.timing_log),
-                time_breakdown_s=train_timing.time_breakdown(spec.timing_log, started_at, time.time()),
+                time_breakdown_s=train_timing.time_breakdown(spec.timing_log, clock.wall_start, time.time()),
                 seconds=clock(),
             ),
         )

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,6 +61,61 @@ def work_dir_path(store, step: str, key: str):
         pass
     work.mkdir(parents=True, exist_ok=True)  # an empty work dir is removed on release
     return work
+
+
+@dataclass
+class ClaimedRun:
+    """What `run_while_another_run_holds_the_step` saw of the step it ran."""
+
+    released_at: float = 0.0  # when the other run let go of the step
+    claimed_at: list[float] = field(default_factory=list)  # when the step entered its GPU claim
+    claimed_before_release: list[float] = field(default_factory=list)
+    finished_at: float = 0.0
+    result: Any = None
+
+
+CLAIM_WAIT_S = 1.0  # how long the test's claim takes to grant, as a GPU another run holds would
+
+
+def run_while_another_run_holds_the_step(store, manifest_type, provenance, step) -> ClaimedRun:
+    """Run `step(claim)` while another thread holds the step's work directory, as another run
+    would, until the step logs that it waits. The step runs in this thread: training on CPU
+    installs signal handlers, which only the main thread may."""
+    run = ClaimedRun()
+    held, waiting = threading.Event(), threading.Event()
+
+    @contextmanager
+    def claim():
+        run.claimed_at.append(time.monotonic())
+        time.sleep(CLAIM_WAIT_S)
+        yield None
+
+    class Waits(logging.Handler):
+        def emit(self, record):
+            if "waiting for another run of step" in record.getMessage():
+                waiting.set()
+
+    def other_run():
+        with store.step_work_dir(manifest_type, provenance):
+            held.set()
+            waiting.wait(30)
+            run.claimed_before_release = list(run.claimed_at)
+            run.released_at = time.monotonic()
+
+    handler = Waits()
+    logging.getLogger("eagle3.store").addHandler(handler)
+    thread = threading.Thread(target=other_run)
+    thread.start()
+    try:
+        assert held.wait(30)
+        run.result = step(claim)
+        run.finished_at = time.monotonic()
+    finally:
+        thread.join(60)
+        logging.getLogger("eagle3.store").removeHandler(handler)
+    assert waiting.is_set(), "the step did not wait for the run holding it"
+    assert run.claimed_before_release == [], "the step claimed its GPU while it waited for the other run"
+    return run
 
 
 def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str], manifest_type=None, **fields):

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from conftest import SAMPLE, write_jsonl
+from conftest import CLAIM_WAIT_S, SAMPLE, run_while_another_run_holds_the_step, write_jsonl
 from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
-from eagle3.evaluate import evaluate, load_draft, read_prompts
+from eagle3.evaluate import EvalManifest, evaluate, load_draft, read_prompts
 from eagle3.endpoint import EndpointError
 from eagle3.export import export_checkpoint
 from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_states
@@ -200,6 +200,22 @@ def test_evaluate_reports_tau_per_method_and_k(exported):
         assert r["tau"] == pytest.approx(1 + sum(r["acceptance_by_position"]))
     assert json.loads((manifest.path / "report.json").read_text())["results"] == manifest.results
     assert 0.0 <= manifest.draft_token_accuracy <= manifest.draft_vocab_coverage <= 1.0  # never right outside its vocabulary
+
+
+def test_a_run_waiting_for_another_run_of_the_step_claims_its_gpu_only_once_it_holds_the_step(exported):
+    store, verifier, hidden, checkpoint = exported
+    cfg = EvalConfig(num_prompts=1, max_new_tokens=8, ks=[2])
+    prompts = write_jsonl(store.root / "one_prompt.jsonl", [{"prompt": "Count to five."}])
+    provenance = Provenance(config={"run": "claimed"})
+
+    run = run_while_another_run_holds_the_step(
+        store, EvalManifest, provenance, lambda claim: evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, claim=claim)
+    )
+
+    [claimed] = run.claimed_at
+    assert claimed >= run.released_at
+    assert run.result.mismatches == 0 and run.result.num_prompts == 1
+    assert run.result.seconds <= run.finished_at - run.released_at - CLAIM_WAIT_S
 
 
 def test_prompt_file_without_a_prompt_field_names_the_record(tmp_path):

@@ -1,8 +1,6 @@
 from __future__ import annotations
 
 import json
-import logging
-import threading
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -11,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import free_port, work_dir_path, write_jsonl
+from conftest import CLAIM_WAIT_S, free_port, run_while_another_run_holds_the_step, work_dir_path, write_jsonl
 from eagle3.config import EndpointConfig, RegenerateConfig, VerifierConfig
 from eagle3.endpoint import EndpointError
 from eagle3.extract_hidden_states import FAULT_OOM_ENV
@@ -102,36 +100,15 @@ def test_a_rerun_after_a_crash_regenerates_only_what_is_missing(verifier, prompt
 def test_a_run_waiting_for_another_run_of_the_step_claims_its_gpu_only_once_it_holds_the_step(verifier, prompts):
     store, manifest = verifier
     provenance = Provenance(config={"run": "claimed"})
-    claimed_at, waits, results = [], [], []
 
-    @contextmanager
-    def claim():
-        claimed_at.append(time.monotonic())
-        yield None
+    run = run_while_another_run_holds_the_step(
+        store, RegeneratedManifest, provenance, lambda claim: regenerate(CFG, prompts, manifest, store, provenance, claim=claim)
+    )
 
-    class Waits(logging.Handler):
-        def emit(self, record):
-            waits.append(record.getMessage())
-
-    handler = Waits()
-    logging.getLogger("eagle3.store").addHandler(handler)
-    thread = threading.Thread(target=lambda: results.append(regenerate(CFG, prompts, manifest, store, provenance, claim=claim)))
-    try:
-        with store.step_work_dir(RegeneratedManifest, provenance):  # another run is doing the step
-            thread.start()
-            deadline = time.monotonic() + 30
-            while not any("waiting for another run of step 'regenerated'" in m for m in waits):
-                assert time.monotonic() < deadline, "the second run did not wait"
-                time.sleep(0.05)
-            assert claimed_at == []
-            released_at = time.monotonic()
-        thread.join(60)
-    finally:
-        logging.getLogger("eagle3.store").removeHandler(handler)
-
-    [claimed] = claimed_at  # the other run published nothing, so this one did the step, on its claim
-    assert claimed >= released_at
-    assert results[0].num_records == 3
+    [claimed] = run.claimed_at  # the other run published nothing, so this one did the step, on its claim
+    assert claimed >= run.released_at
+    assert run.result.num_records == 3
+    assert run.result.seconds <= run.finished_at - run.released_at - CLAIM_WAIT_S  # the wait for the GPU is not the step's
 
 
 def test_a_rerun_with_every_record_finished_claims_no_gpu(verifier, prompts):

@@ -5,8 +5,10 @@ import logging
 import subprocess
 import sys
 import threading
+import time
+from contextlib import contextmanager
 
-from eagle3.store import TEMP_SUFFIX, ArtifactStore, atomic_write_text, exclusive
+from eagle3.store import TEMP_SUFFIX, ArtifactStore, Stopwatch, atomic_write_text, exclusive
 
 HOLD = """
 import sys
@@ -18,12 +20,13 @@ with ArtifactStore(sys.argv[1]).work_dir("dataset", "k" * 64) as work:
 
 
 class _Waiting(logging.Handler):
-    def __init__(self):
+    def __init__(self, message: str = "waiting for another run of step 'dataset'"):
         super().__init__()
+        self.message = message
         self.seen = threading.Event()
 
     def emit(self, record):
-        if "waiting for another run of step 'dataset'" in record.getMessage():
+        if self.message in record.getMessage():
             self.seen.set()
 
 
@@ -76,11 +79,13 @@ def test_a_waiter_that_gets_a_removed_lock_file_waits_again_for_the_one_its_path
         with exclusive(path, "the step"):
             entered.set()
 
+    waiting = _Waiting("waiting for the step")
+    logging.getLogger("eagle3.store").addHandler(waiting)
     with open(path, "a") as first:
         fcntl.flock(first, fcntl.LOCK_EX)
         thread = threading.Thread(target=waiter)
         thread.start()
-        assert not entered.wait(1)
+        assert waiting.seen.wait(30), "the waiter did not report that it waits"  # it has the first file open
         # The holder removes the file and releases it; a third run creates the path anew and takes it
         # before the waiter wakes on the removed file.
         path.unlink()
@@ -89,6 +94,7 @@ def test_a_waiter_that_gets_a_removed_lock_file_waits_again_for_the_one_its_path
             first.close()
             assert not entered.wait(1), "the waiter entered on the removed file while the path's file is held"
         thread.join(30)
+    logging.getLogger("eagle3.store").removeHandler(waiting)
 
     assert entered.is_set()
     assert not path.exists()
@@ -103,3 +109,19 @@ def test_entering_a_work_dir_removes_a_write_a_killed_run_left_half_done(tmp_pat
 
     with store.work_dir("dataset", "k" * 64) as work:
         assert sorted(p.relative_to(work).as_posix() for p in work.rglob("*")) == ["data.parquet", "sub"]
+
+
+def test_a_stopwatch_does_not_count_the_wait_to_enter_a_claim():
+    @contextmanager
+    def slow_claim():
+        time.sleep(1.0)
+        yield ["0"]
+
+    clock = Stopwatch()
+    wall_start = clock.wall_start
+    with clock.excluding_wait(slow_claim()) as devices:
+        time.sleep(0.2)
+
+    assert devices == ["0"]
+    assert 0.2 <= clock() < 0.9
+    assert clock.wall_start - wall_start >= 1.0  # training's time breakdown starts from here

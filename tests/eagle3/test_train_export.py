@@ -12,6 +12,7 @@ import speculators.train.checkpointer as checkpointer_module
 import speculators.train.trainer as trainer_module
 import torch
 
+from conftest import CLAIM_WAIT_S, run_while_another_run_holds_the_step
 from eagle3 import train as train_module
 from eagle3 import trainer_compat
 from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, PromotionConfig, TrainConfig, VerifierConfig, VocabConfig
@@ -55,6 +56,23 @@ def _as_the_task_keys_it(store, cfg, inputs, init=None) -> Provenance:
 def test_simulated_acceptance_length_is_one_plus_sum_of_chain_products():
     assert simulated_acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1.875)
     assert simulated_acceptance_length([1.0, 0.0, 1.0]) == 2.0
+
+
+def test_a_run_waiting_for_another_run_of_the_step_claims_its_gpu_only_once_it_holds_the_step(inputs):
+    store, verifier, dataset, hidden, vocab = inputs
+    cfg = TrainConfig(epochs=1, total_seq_len=512)
+    provenance = Provenance(config={"run": "claimed"})
+
+    run = run_while_another_run_holds_the_step(
+        store, DraftManifest, provenance, lambda claim: train_draft(cfg, dataset, hidden, vocab, verifier, store, provenance, claim=claim)
+    )
+
+    [claimed] = run.claimed_at
+    assert claimed >= run.released_at
+    assert len(run.result.epochs) == 1
+    assert run.result.seconds <= run.finished_at - run.released_at - CLAIM_WAIT_S
+    accounted = sum(seconds for part, seconds in run.result.time_breakdown_s.items() if part != "waiting_for_data")
+    assert accounted <= run.finished_at - run.released_at - CLAIM_WAIT_S  # its startup leaves out the wait too
 
 
 def test_training_logs_per_step_accuracies_and_simulated_tau(draft):

@@ -41,6 +41,7 @@ from eagle3.isolation import NO_GPU, GpuClaim, free_device_memory, gpu_memory_us
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import (
     ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_bytes, atomic_write_text, code_version, exclusive,
+    exclusive_if_free,
 )
 from eagle3.verifier import VerifierManifest, compute_dtype, load_text_model
 
@@ -273,9 +274,19 @@ def _shard_key(verifier: VerifierManifest, aux: list[int], version: str, samples
     return h.hexdigest()
 
 
+def _shard_lock_path(shard_root: Path, key: str) -> Path:
+    return shard_root.parent / "locks" / f"shard-{key[:24]}.lock"
+
+
 def _shard_lock(shard_root: Path, key: str):
-    """Held while a shard is extracted, so two runs that need the same shard extract it once."""
-    return exclusive(shard_root.parent / "locks" / f"shard-{key[:24]}.lock", f"another run extracting shard {key[:12]}")
+    """Held while a shard is extracted, so two runs that need the same shard extract it once;
+    waited for (without a GPU) by a run that needs a shard another run is extracting."""
+    return exclusive(_shard_lock_path(shard_root, key), f"another run extracting shard {key[:12]}")
+
+
+def _shard_lock_if_free(shard_root: Path, key: str):
+    """`_shard_lock` if no other run holds it: extraction skips such shards and waits for them last."""
+    return exclusive_if_free(_shard_lock_path(shard_root, key))
 
 
 def _extract_attempt(
@@ -287,13 +298,14 @@ def _extract_attempt(
     todo: list[tuple[int, str, list[int]]],
     budget: int,
     on_progress,
-) -> dict | None:
-    """Extract the `todo` shards (index, key, record indices) in order with one model load.
+) -> dict:
+    """Extract the `todo` shards (index, key, record indices) in order with one model load,
+    skipping those another run is extracting.
 
-    Returns None when all are done, or {"shard", "error"} at the first out-of-memory error: the
-    caller retries from that shard with a smaller budget, in a fresh process on a GPU.
-    `on_progress(tokens, extracted)` after each shard; `extracted` is False for a shard another
-    run finished while this one waited for it.
+    Returns {"busy": indices skipped, "oom": None or {"shard", "error"}}: at the first out-of-memory
+    error the caller retries from that shard with a smaller budget, in a fresh process on a GPU.
+    `on_progress(shard index, extracted)` after each shard; `extracted` is False for a shard
+    another run finished since the caller listed it.
     """
     device = torch.device(device)
     input_ids: list[list[int]] = load_dataset_table(dataset).column("input_ids").to_pylist()
@@ -301,15 +313,18 @@ def _extract_attempt(
     decoder = model.get_decoder()
     capture = HiddenStateCapture(decoder, aux)
     writer = _OverlappedWriter(device)
-    oom = None
+    busy, oom = [], None
     try:
         with tqdm(total=sum(len(input_ids[i]) for _, _, shard in todo for i in shard), desc="extract hidden states", unit="tok") as progress:
             for k, key, shard in todo:
                 tokens = sum(len(input_ids[i]) for i in shard)
-                with _shard_lock(shard_root, key):
-                    if (shard_root / key / "done.json").exists():  # another run extracted it while this one waited
+                with _shard_lock_if_free(shard_root, key) as mine:
+                    if not mine:
+                        busy.append(k)
+                        continue
+                    if (shard_root / key / "done.json").exists():  # another run finished it since it was listed
                         progress.update(tokens)
-                        on_progress(tokens, False)
+                        on_progress(k, False)
                         continue
                     partial = shard_root / f"{key}.partial"
                     if partial.exists():
@@ -327,14 +342,14 @@ def _extract_attempt(
                     digests = {p.name: writer.digests.pop(p) for p in sorted(writer.digests) if p.parent == partial}
                     atomic_write_text(partial / "done.json", json.dumps({"sha256": digests}, indent=0))
                     os.replace(partial, shard_root / key)
-                on_progress(tokens, True)
+                on_progress(k, True)
     finally:
         capture.states.clear()
         writer.close()
         capture.close()
         del model, decoder, capture, writer
         free_device_memory(device)
-    return oom
+    return {"busy": busy, "oom": oom}
 
 
 def extract_hidden_states(
@@ -350,9 +365,9 @@ def extract_hidden_states(
 
     `claim`: the CUDA devices to extract on, claimed only if a shard is left to extract; each
     attempt then runs in a child process seeing only them (none claimed: in this process on
-    `cfg.device`). Shards, not the step, are locked: a run that needs a shard another run is
-    extracting waits for it (holding its claim), then reuses it. `on_progress(tokens_done,
-    tokens_total)` is called after each extracted shard.
+    `cfg.device`). Shards, not the step, are locked: a run skips the shards another run is
+    extracting, then releases its claim and waits for them (extracting any whose run died).
+    `on_progress(tokens_done, tokens_total)` is called after each finished shard.
 
     Raises:
         ConfigError: aux layer ids out of range for the verifier.
@@ -375,33 +390,48 @@ def extract_hidden_states(
     todo = [k for k in range(len(shards)) if not finished(k)]
     total = sum(len(input_ids[i]) for k in todo for i in shards[k])
     done = extracted = 0
+    reported: set[int] = set()
 
-    def shard_done(tokens: int, by_this_run: bool) -> None:
+    def shard_done(k: int, by_this_run: bool) -> None:
         nonlocal done, extracted
-        done += tokens
+        reported.add(k)
+        done += sum(len(input_ids[i]) for i in shards[k])
         extracted += by_this_run
         if on_progress is not None:
             on_progress(done, total)
 
+    def unfinished(ks: list[int]) -> list[int]:
+        """`ks` less the finished shards; those another run finished count as reused."""
+        left = []
+        for k in ks:
+            if not finished(k):
+                left.append(k)
+            elif k not in reported:
+                shard_done(k, False)
+        return left
+
     backoffs: list[dict] = []
     gpu_memory_after = None
     budget = cfg.prefill_batch_tokens
-    if todo:
+    while todo := unfinished(todo):
         with clock.excluding_wait(claim()) as gpus:
-            todo = [k for k in todo if not finished(k)]  # another run may have extracted some while this one waited
             device = "cuda" if gpus else str(resolve_device(cfg.device))
-            while todo:
+            busy: list[int] = []
+            while (todo := unfinished(todo)) and not set(todo) <= set(busy):
                 attempt = {"dataset": dataset, "verifier": verifier, "aux": aux, "device": device, "shard_root": shard_root,
                            "todo": [(k, keys[k], shards[k]) for k in todo], "budget": budget}
-                oom = run_attempt(_extract_attempt, attempt, gpus, shard_done)
-                todo = [k for k in todo if not finished(k)]
-                if oom is not None:
+                outcome = run_attempt(_extract_attempt, attempt, gpus, shard_done)
+                busy = outcome["busy"]
+                if (oom := outcome["oom"]) is not None:
                     budget = halve_after_oom(
                         "extract.prefill_batch_tokens", budget, cfg.min_prefill_batch_tokens, backoffs, oom["error"],
                         f"in shard {oom['shard']}", "Finished shards are kept. Lower dataset.max_seq_len or "
                         "extract.min_prefill_batch_tokens, or use a device with more memory.", shard=oom["shard"],
                     )
             gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
+        for k in todo:  # shards other runs are extracting: waited for without a GPU, not counted as this step's time
+            with clock.excluding_wait(_shard_lock(shard_root, keys[k])):
+                pass
 
     listing = [
         {"key": key, "first_record": shard[0], "num_records": len(shard),

@@ -47,6 +47,7 @@ __all__ = [
     "digest_file",
     "digest_tree",
     "exclusive",
+    "exclusive_if_free",
     "step_provenance",
 ]
 
@@ -140,6 +141,30 @@ def exclusive(lock: Path, what: str) -> Iterator[bool]:
     The holder removes the file before releasing it, so lock files do not pile up (a killed holder's
     stays until the next holder is done); a waiter that then gets the lock on the removed file tries
     again on whatever file the path names now."""
+    handle, waited = _acquire(lock, what)
+    try:
+        yield waited
+    finally:
+        _release(lock, handle)
+
+
+@contextmanager
+def exclusive_if_free(lock: Path) -> Iterator[bool]:
+    """`exclusive` without the wait: yields whether this process got the lock (False, holding
+    nothing, while another process holds it)."""
+    acquired = _acquire(lock, None)
+    if acquired is None:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        _release(lock, acquired[0])
+
+
+def _acquire(lock: Path, what: str | None) -> tuple[IO, bool] | None:
+    """The open, locked file `lock` names and whether getting it meant waiting; None instead of
+    waiting when `what` is None."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     waited = False
     while True:
@@ -148,6 +173,9 @@ def exclusive(lock: Path, what: str) -> Iterator[bool]:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if what is None:
+                    handle.close()
+                    return None
                 if not waited:
                     logger.warning("waiting for %s (%s is held by another process)", what, lock)
                 waited = True
@@ -156,16 +184,16 @@ def exclusive(lock: Path, what: str) -> Iterator[bool]:
             handle.close()
             raise
         if _path_still_names(lock, handle):
-            break
+            return handle, waited
         handle.close()
         waited = True  # the file was removed under us: another run held the lock and finished
+
+
+def _release(lock: Path, handle: IO) -> None:
     try:
-        yield waited
+        lock.unlink(missing_ok=True)  # before unlocking: see `exclusive`
     finally:
-        try:
-            lock.unlink(missing_ok=True)
-        finally:
-            handle.close()
+        handle.close()
 
 
 def _path_still_names(path: Path, handle: IO) -> bool:

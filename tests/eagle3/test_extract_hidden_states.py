@@ -105,36 +105,64 @@ def test_killed_extraction_resumes_at_the_first_unfinished_shard(prepared, tmp_p
     assert fresh.digest == resumed.digest
 
 
-def test_a_shard_another_run_is_extracting_is_waited_for_then_reused(prepared, tmp_path):
-    """Two runs that need one shard extract it once: the later run waits on the shard's lock, then
-    finds the shard finished instead of writing into the same directory."""
-    _, verifier, dataset = prepared
+def _while_another_run_extracts_shard_0(tmp_path, dataset, verifier, then) -> tuple[object, list[str], bool]:
+    """Extract into a store where another run holds shard 0's lock; once this run waits for it,
+    `then(store, key)` and let go. Returns the manifest, the claim's enter/exit events, and whether
+    the claim was held while this run waited."""
     cfg = ExtractConfig(aux_layer_ids=AUX, records_per_shard=8)
     reference = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "reference"), Provenance())
     first = reference.shards[0]["key"]
     store = ArtifactStore(tmp_path / "shared")
-    waiting, result = threading.Event(), {}
+    waiting, result, claim_events = threading.Event(), {}, []
+
+    @contextmanager
+    def claim():
+        claim_events.append("enter")
+        yield None
+        claim_events.append("exit")
 
     class _Waiting(logging.Handler):
         def emit(self, record):
             if "waiting for another run extracting shard" in record.getMessage():
+                result["claimed_while_waiting"] = claim_events[-1:] == ["enter"]
                 waiting.set()
 
     handler = _Waiting()
     logging.getLogger("eagle3.store").addHandler(handler)
-    later = threading.Thread(target=lambda: result.update(manifest=extract_hidden_states(cfg, dataset, verifier, store, Provenance())))
+    later = threading.Thread(target=lambda: result.update(manifest=extract_hidden_states(cfg, dataset, verifier, store, Provenance(), claim=claim)))
     try:
         with _shard_lock(store.root / "shards", first):  # the other run, part way through shard 0
             later.start()
             assert waiting.wait(60), "the later run did not wait for the shard"
-            shutil.copytree(tmp_path / "reference" / "shards" / first, store.root / "shards" / first)  # ... finishes it
+            then(store, first)
         later.join(120)
     finally:
         logging.getLogger("eagle3.store").removeHandler(handler)
+    assert result["manifest"].digest == reference.digest
+    return result["manifest"], claim_events, result["claimed_while_waiting"]
 
-    manifest = result["manifest"]
+
+def test_a_shard_another_run_is_extracting_is_skipped_then_waited_for_without_a_gpu_and_reused(prepared, tmp_path):
+    """Two runs that need one shard extract it once: the later run extracts the others first, lets
+    its GPU claim go, waits on the shard's lock, then finds the shard finished."""
+    _, verifier, dataset = prepared
+
+    def finish(store, key):
+        shutil.copytree(tmp_path / "reference" / "shards" / key, store.root / "shards" / key)
+
+    manifest, claims, claimed_while_waiting = _while_another_run_extracts_shard_0(tmp_path, dataset, verifier, finish)
+
     assert (manifest.extracted_shards, manifest.reused_shards) == (2, 1)
-    assert manifest.digest == reference.digest
+    assert claims == ["enter", "exit"] and not claimed_while_waiting
+
+
+def test_a_shard_whose_other_run_died_is_extracted_on_a_new_claim(prepared, tmp_path):
+    _, verifier, dataset = prepared
+
+    manifest, claims, claimed_while_waiting = _while_another_run_extracts_shard_0(tmp_path, dataset, verifier, lambda store, key: None)
+
+    assert (manifest.extracted_shards, manifest.reused_shards) == (3, 0)
+    assert claims == ["enter", "exit", "enter", "exit"] and not claimed_while_waiting
 
 
 def test_a_run_whose_shards_are_all_extracted_claims_no_gpu(prepared):

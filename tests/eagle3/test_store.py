@@ -8,7 +8,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-from eagle3.store import TEMP_SUFFIX, ArtifactStore, Stopwatch, atomic_write_text, exclusive
+from eagle3.store import TEMP_SUFFIX, ArtifactStore, Stopwatch, atomic_write_text, exclusive, exclusive_if_free
 
 HOLD = """
 import sys
@@ -125,3 +125,15 @@ def test_a_stopwatch_does_not_count_the_wait_to_enter_a_claim():
     assert devices == ["0"]
     assert 0.2 <= clock() < 0.9
     assert clock.wall_start - wall_start >= 1.0  # training's time breakdown starts from here
+
+
+def test_a_lock_taken_only_if_free_never_waits(tmp_path):
+    path = tmp_path / "shard.lock"
+    with exclusive(path, "the shard"):
+        with exclusive_if_free(path) as mine:
+            assert not mine  # held by another holder: no wait, nothing held
+        assert path.exists()
+
+    with exclusive_if_free(path) as mine:
+        assert mine and path.exists()
+    assert not path.exists()

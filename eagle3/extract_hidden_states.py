@@ -303,7 +303,8 @@ def _extract_attempt(
     skipping those another run is extracting.
 
     Returns {"busy": indices skipped, "oom": None or {"shard", "error"}}: at the first out-of-memory
-    error the caller retries from that shard with a smaller budget, in a fresh process on a GPU.
+    error the attempt stops and the caller retries the shards left with a smaller budget, in a
+    fresh process on a GPU.
     `on_progress(shard index, extracted)` after each shard; `extracted` is False for a shard
     another run finished since the caller listed it.
     """
@@ -321,6 +322,7 @@ def _extract_attempt(
                 with _shard_lock_if_free(shard_root, key) as mine:
                     if not mine:
                         busy.append(k)
+                        progress.total -= tokens
                         continue
                     if (shard_root / key / "done.json").exists():  # another run finished it since it was listed
                         progress.update(tokens)
@@ -366,7 +368,7 @@ def extract_hidden_states(
     `claim`: the CUDA devices to extract on, claimed only if a shard is left to extract; each
     attempt then runs in a child process seeing only them (none claimed: in this process on
     `cfg.device`). Shards, not the step, are locked: a run skips the shards another run is
-    extracting, then releases its claim and waits for them (extracting any whose run died).
+    extracting, then releases its claim and waits for them, claiming again for any whose run died.
     `on_progress(tokens_done, tokens_total)` is called after each finished shard.
 
     Raises:
@@ -413,25 +415,35 @@ def extract_hidden_states(
     backoffs: list[dict] = []
     gpu_memory_after = None
     budget = cfg.prefill_batch_tokens
+
+    def free(k: int) -> bool:
+        with _shard_lock_if_free(shard_root, keys[k]) as mine:
+            return mine
+
     while todo := unfinished(todo):
-        with clock.excluding_wait(claim()) as gpus:
-            device = "cuda" if gpus else str(resolve_device(cfg.device))
-            busy: list[int] = []
-            while (todo := unfinished(todo)) and not set(todo) <= set(busy):
-                attempt = {"dataset": dataset, "verifier": verifier, "aux": aux, "device": device, "shard_root": shard_root,
-                           "todo": [(k, keys[k], shards[k]) for k in todo], "budget": budget}
-                outcome = run_attempt(_extract_attempt, attempt, gpus, shard_done)
-                busy = outcome["busy"]
-                if (oom := outcome["oom"]) is not None:
-                    budget = halve_after_oom(
-                        "extract.prefill_batch_tokens", budget, cfg.min_prefill_batch_tokens, backoffs, oom["error"],
-                        f"in shard {oom['shard']}", "Finished shards are kept. Lower dataset.max_seq_len or "
-                        "extract.min_prefill_batch_tokens, or use a device with more memory.", shard=oom["shard"],
-                    )
-            gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
-        for k in todo:  # shards other runs are extracting: waited for without a GPU, not counted as this step's time
+        if any(free(k) for k in todo):  # else other runs are extracting every shard left: no claim
+            with clock.excluding_wait(claim()) as gpus:
+                device = "cuda" if gpus else str(resolve_device(cfg.device))
+                busy: list[int] = []
+                while (todo := unfinished(todo)) and not set(todo) <= set(busy):
+                    attempt = {"dataset": dataset, "verifier": verifier, "aux": aux, "device": device, "shard_root": shard_root,
+                               "todo": [(k, keys[k], shards[k]) for k in todo], "budget": budget}
+                    outcome = run_attempt(_extract_attempt, attempt, gpus, shard_done)
+                    busy = outcome["busy"]
+                    if (oom := outcome["oom"]) is not None:
+                        budget = halve_after_oom(
+                            "extract.prefill_batch_tokens", budget, cfg.min_prefill_batch_tokens, backoffs, oom["error"],
+                            f"in shard {oom['shard']}", "Finished shards are kept. Lower dataset.max_seq_len or "
+                            "extract.min_prefill_batch_tokens, or use a device with more memory.", shard=oom["shard"],
+                        )
+                    elif not set(unfinished(todo)) <= set(busy):
+                        raise RuntimeError("an extraction attempt ended without an error but left free shards unfinished")
+                gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
+        for k in unfinished(todo):  # shards other runs are extracting: waited for without a GPU, not counted as this step's time
             with clock.excluding_wait(_shard_lock(shard_root, keys[k])):
                 pass
+            if not finished(k):
+                break  # its run died: claim again for it
 
     listing = [
         {"key": key, "first_record": shard[0], "num_records": len(shard),

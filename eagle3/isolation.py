@@ -48,10 +48,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GpuClaim = Callable[[], AbstractContextManager["list[str] | None"]]
-"""How a step gets its GPUs: entered after the step holds its work directory (extraction: released
-before it waits for shards another run is extracting), so a run waiting for another run holds no
-GPU. Yields the claimed devices' CUDA_VISIBLE_DEVICES names, or None to work in this process on the
-configured device."""
+"""How a step gets its GPUs: entered once the step holds its work directory (extraction, which locks
+shards instead, lets it go before waiting for a shard another run is extracting, and may enter it
+again), so a run waiting for another run holds no GPU. Yields the claimed devices'
+CUDA_VISIBLE_DEVICES names, or None to work in this process on the configured device."""
 
 
 def fixed_devices(devices: list[str] | None) -> GpuClaim:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import pytest
 import torch
@@ -105,13 +105,13 @@ def test_killed_extraction_resumes_at_the_first_unfinished_shard(prepared, tmp_p
     assert fresh.digest == resumed.digest
 
 
-def _while_another_run_extracts_shard_0(tmp_path, dataset, verifier, then) -> tuple[object, list[str], bool]:
-    """Extract into a store where another run holds shard 0's lock; once this run waits for it,
-    `then(store, key)` and let go. Returns the manifest, the claim's enter/exit events, and whether
-    the claim was held while this run waited."""
+def _while_other_runs_extract(tmp_path, dataset, verifier, held: int, then) -> tuple[object, list[str], bool]:
+    """Extract into a store where other runs hold the locks of the first `held` shards; once this
+    run waits for one, `then(store, keys)` and let go. Returns the manifest, the claim's enter/exit
+    events, and whether the claim was held while this run waited."""
     cfg = ExtractConfig(aux_layer_ids=AUX, records_per_shard=8)
     reference = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "reference"), Provenance())
-    first = reference.shards[0]["key"]
+    keys = [shard["key"] for shard in reference.shards[:held]]
     store = ArtifactStore(tmp_path / "shared")
     waiting, result, claim_events = threading.Event(), {}, []
 
@@ -123,23 +123,41 @@ def _while_another_run_extracts_shard_0(tmp_path, dataset, verifier, then) -> tu
 
     class _Waiting(logging.Handler):
         def emit(self, record):
-            if "waiting for another run extracting shard" in record.getMessage():
+            if "waiting for another run extracting shard" in record.getMessage() and not waiting.is_set():
                 result["claimed_while_waiting"] = claim_events[-1:] == ["enter"]
                 waiting.set()
 
+    def later_run():
+        try:
+            result["manifest"] = extract_hidden_states(cfg, dataset, verifier, store, Provenance(), claim=claim)
+        except BaseException as exc:
+            result["error"] = exc
+
     handler = _Waiting()
     logging.getLogger("eagle3.store").addHandler(handler)
-    later = threading.Thread(target=lambda: result.update(manifest=extract_hidden_states(cfg, dataset, verifier, store, Provenance(), claim=claim)))
+    later = threading.Thread(target=later_run)
     try:
-        with _shard_lock(store.root / "shards", first):  # the other run, part way through shard 0
+        with ExitStack() as others:  # the other runs, part way through their shards
+            for key in keys:
+                others.enter_context(_shard_lock(store.root / "shards", key))
             later.start()
-            assert waiting.wait(60), "the later run did not wait for the shard"
-            then(store, first)
+            assert waiting.wait(60), "the later run did not wait for the shards"
+            then(store, keys)
         later.join(120)
     finally:
         logging.getLogger("eagle3.store").removeHandler(handler)
+    assert not later.is_alive()
+    if "error" in result:
+        raise result["error"]
     assert result["manifest"].digest == reference.digest
     return result["manifest"], claim_events, result["claimed_while_waiting"]
+
+
+def _finish(tmp_path):
+    def copy_from_reference(store, keys):
+        for key in keys:
+            shutil.copytree(tmp_path / "reference" / "shards" / key, store.root / "shards" / key)
+    return copy_from_reference
 
 
 def test_a_shard_another_run_is_extracting_is_skipped_then_waited_for_without_a_gpu_and_reused(prepared, tmp_path):
@@ -147,10 +165,7 @@ def test_a_shard_another_run_is_extracting_is_skipped_then_waited_for_without_a_
     its GPU claim go, waits on the shard's lock, then finds the shard finished."""
     _, verifier, dataset = prepared
 
-    def finish(store, key):
-        shutil.copytree(tmp_path / "reference" / "shards" / key, store.root / "shards" / key)
-
-    manifest, claims, claimed_while_waiting = _while_another_run_extracts_shard_0(tmp_path, dataset, verifier, finish)
+    manifest, claims, claimed_while_waiting = _while_other_runs_extract(tmp_path, dataset, verifier, 1, _finish(tmp_path))
 
     assert (manifest.extracted_shards, manifest.reused_shards) == (2, 1)
     assert claims == ["enter", "exit"] and not claimed_while_waiting
@@ -159,10 +174,19 @@ def test_a_shard_another_run_is_extracting_is_skipped_then_waited_for_without_a_
 def test_a_shard_whose_other_run_died_is_extracted_on_a_new_claim(prepared, tmp_path):
     _, verifier, dataset = prepared
 
-    manifest, claims, claimed_while_waiting = _while_another_run_extracts_shard_0(tmp_path, dataset, verifier, lambda store, key: None)
+    manifest, claims, claimed_while_waiting = _while_other_runs_extract(tmp_path, dataset, verifier, 1, lambda store, keys: None)
 
     assert (manifest.extracted_shards, manifest.reused_shards) == (3, 0)
     assert claims == ["enter", "exit", "enter", "exit"] and not claimed_while_waiting
+
+
+def test_a_run_whose_shards_are_all_being_extracted_by_others_never_claims(prepared, tmp_path):
+    _, verifier, dataset = prepared
+
+    manifest, claims, _ = _while_other_runs_extract(tmp_path, dataset, verifier, 3, _finish(tmp_path))
+
+    assert (manifest.extracted_shards, manifest.reused_shards) == (0, 3)
+    assert claims == []
 
 
 def test_a_run_whose_shards_are_all_extracted_claims_no_gpu(prepared):

@@ -8,6 +8,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+import pytest
+
 from eagle3.store import TEMP_SUFFIX, ArtifactStore, Stopwatch, atomic_write_text, exclusive, exclusive_if_free
 
 HOLD = """
@@ -127,6 +129,7 @@ def test_a_stopwatch_does_not_count_the_wait_to_enter_a_claim():
     assert clock.wall_start - wall_start >= 1.0  # training's time breakdown starts from here
 
 
+@pytest.mark.timeout(30)
 def test_a_lock_taken_only_if_free_never_waits(tmp_path):
     path = tmp_path / "shard.lock"
     with exclusive(path, "the shard"):

@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -377,9 +377,8 @@ class Stopwatch:
     @contextmanager
     def excluding_wait(self, manager: AbstractContextManager[T]) -> Iterator[T]:
         """Enter `manager` without counting the wait to enter it."""
-        with ExitStack() as stack:
-            before = time.perf_counter()
-            value = stack.enter_context(manager)
+        before = time.perf_counter()
+        with manager as value:
             waited = time.perf_counter() - before
             self.start += waited
             self.wall_start += waited

@@ -63,6 +63,19 @@ def work_dir_path(store, step: str, key: str):
     return work
 
 
+class LogSeen(logging.Handler):
+    """`seen` is set once a log record containing `message` is emitted."""
+
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+        self.seen = threading.Event()
+
+    def emit(self, record):
+        if self.message in record.getMessage():
+            self.seen.set()
+
+
 @dataclass
 class ClaimedRun:
     """What `run_while_another_run_holds_the_step` saw of the step it ran."""
@@ -82,7 +95,7 @@ def run_while_another_run_holds_the_step(store, manifest_type, provenance, step)
     would, until the step logs that it waits. The step runs in this thread: training on CPU
     installs signal handlers, which only the main thread may."""
     run = ClaimedRun()
-    held, waiting = threading.Event(), threading.Event()
+    held, waiting = threading.Event(), LogSeen("waiting for another run of step")
 
     @contextmanager
     def claim():
@@ -90,20 +103,14 @@ def run_while_another_run_holds_the_step(store, manifest_type, provenance, step)
         time.sleep(CLAIM_WAIT_S)
         yield None
 
-    class Waits(logging.Handler):
-        def emit(self, record):
-            if "waiting for another run of step" in record.getMessage():
-                waiting.set()
-
     def other_run():
         with store.step_work_dir(manifest_type, provenance):
             held.set()
-            waiting.wait(30)
+            waiting.seen.wait(30)
             run.claimed_before_release = list(run.claimed_at)
             run.released_at = time.monotonic()
 
-    handler = Waits()
-    logging.getLogger("eagle3.store").addHandler(handler)
+    logging.getLogger("eagle3.store").addHandler(waiting)
     thread = threading.Thread(target=other_run)
     thread.start()
     try:
@@ -112,8 +119,8 @@ def run_while_another_run_holds_the_step(store, manifest_type, provenance, step)
         run.finished_at = time.monotonic()
     finally:
         thread.join(60)
-        logging.getLogger("eagle3.store").removeHandler(handler)
-    assert waiting.is_set(), "the step did not wait for the run holding it"
+        logging.getLogger("eagle3.store").removeHandler(waiting)
+    assert waiting.seen.is_set(), "the step did not wait for the run holding it"
     assert run.claimed_before_release == [], "the step claimed its GPU while it waited for the other run"
     return run
 

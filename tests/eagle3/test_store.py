@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from conftest import LogSeen
 from eagle3.store import TEMP_SUFFIX, ArtifactStore, Stopwatch, atomic_write_text, exclusive, exclusive_if_free
 
 HOLD = """
@@ -21,21 +22,10 @@ with ArtifactStore(sys.argv[1]).work_dir("dataset", "k" * 64) as work:
 """
 
 
-class _Waiting(logging.Handler):
-    def __init__(self, message: str = "waiting for another run of step 'dataset'"):
-        super().__init__()
-        self.message = message
-        self.seen = threading.Event()
-
-    def emit(self, record):
-        if self.message in record.getMessage():
-            self.seen.set()
-
-
 def test_a_run_waits_for_the_work_dir_another_run_holds_until_that_run_dies(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     held_dir = holder.stdout.readline().strip()
-    waiting = _Waiting()
+    waiting = LogSeen("waiting for another run of step 'dataset'")
     logging.getLogger("eagle3.store").addHandler(waiting)
     entered = []
 
@@ -81,7 +71,7 @@ def test_a_waiter_that_gets_a_removed_lock_file_waits_again_for_the_one_its_path
         with exclusive(path, "the step"):
             entered.set()
 
-    waiting = _Waiting("waiting for the step")
+    waiting = LogSeen("waiting for the step")
     logging.getLogger("eagle3.store").addHandler(waiting)
     with open(path, "a") as first:
         fcntl.flock(first, fcntl.LOCK_EX)

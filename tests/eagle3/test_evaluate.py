@@ -29,7 +29,8 @@ def exported(tiny_verifier, tmp_path_factory):
     dataset = prepare_dataset(DatasetConfig(max_seq_len=256), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
     hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX), dataset, verifier, store, Provenance())
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=512), dataset, verifier.vocab_size, store, Provenance())
-    draft = train_draft(TrainConfig(epochs=2, total_seq_len=512), dataset, hidden, vocab, verifier, store, Provenance())
+    # Two draft layers: each keeps its own KV cache while drafting, which one layer would not exercise.
+    draft = train_draft(TrainConfig(epochs=2, total_seq_len=512, num_layers=2), dataset, hidden, vocab, verifier, store, Provenance())
     checkpoint = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
     return store, verifier, hidden, checkpoint
 

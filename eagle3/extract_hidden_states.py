@@ -300,7 +300,8 @@ def _extract_attempt(
     on_progress,
 ) -> dict:
     """Extract the `todo` shards (index, key, record indices) in order with one model load,
-    skipping those another run is extracting.
+    skipping those another run is extracting (the model loads at the first shard this run takes,
+    so an attempt that finds every shard taken never loads it).
 
     Returns {"busy": indices skipped, "oom": None or {"shard", "error"}}: at the first out-of-memory
     error the attempt stops and the caller retries the shards left with a smaller budget, in a
@@ -310,9 +311,7 @@ def _extract_attempt(
     """
     device = torch.device(device)
     input_ids: list[list[int]] = load_dataset_table(dataset).column("input_ids").to_pylist()
-    model = load_text_model(verifier.path, compute_dtype(device), device)
-    decoder = model.get_decoder()
-    capture = HiddenStateCapture(decoder, aux)
+    decoder = capture = None
     writer = _OverlappedWriter(device)
     busy, oom = [], None
     try:
@@ -332,6 +331,9 @@ def _extract_attempt(
                     if partial.exists():
                         shutil.rmtree(partial)  # left by a killed run: the shard is the unit of resume
                     partial.mkdir()
+                    if decoder is None:
+                        decoder = load_text_model(verifier.path, compute_dtype(device), device).get_decoder()
+                        capture = HiddenStateCapture(decoder, aux)
                     try:
                         _extract_shard(decoder, capture, writer, partial, shard, input_ids, budget, device, progress)
                     except BaseException as exc:
@@ -346,10 +348,11 @@ def _extract_attempt(
                     os.replace(partial, shard_root / key)
                 on_progress(k, True)
     finally:
-        capture.states.clear()
         writer.close()
-        capture.close()
-        del model, decoder, capture, writer
+        if capture is not None:
+            capture.states.clear()
+            capture.close()
+        del decoder, capture, writer
         free_device_memory(device)
     return {"busy": busy, "oom": oom}
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, VerifierConfig
 from eagle3.extract_hidden_states import (
-    FAULT_OOM_ENV, _check_finite, _non_finite_per_slot, _shard_lock, extract_hidden_states, hidden_state_files, verify_shard,
+    FAULT_OOM_ENV, _check_finite, _extract_attempt, _non_finite_per_slot, _shard_lock, extract_hidden_states, hidden_state_files, verify_shard,
 )
 from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
@@ -187,6 +187,21 @@ def test_a_run_whose_shards_are_all_being_extracted_by_others_never_claims(prepa
 
     assert (manifest.extracted_shards, manifest.reused_shards) == (0, 3)
     assert claims == []
+
+
+def test_an_attempt_that_finds_every_shard_taken_never_loads_the_verifier(prepared, tmp_path):
+    """The race a run's probe can lose: the shards it saw free are taken when its attempt starts.
+    The verifier's path holds no model, so loading it would raise."""
+    _, verifier, dataset = prepared
+    shard_root = tmp_path / "shards"
+    shard_root.mkdir()
+    todo = [(k, f"shard-{k}", [k]) for k in range(2)]
+    no_model = verifier.model_copy(update={"path": tmp_path / "no-model"})
+
+    with _shard_lock(shard_root, "shard-0"), _shard_lock(shard_root, "shard-1"):
+        result = _extract_attempt(dataset, no_model, AUX, "cpu", shard_root, todo, 1024, lambda k, extracted: None)
+
+    assert result == {"busy": [0, 1], "oom": None}
 
 
 def test_a_run_whose_shards_are_all_extracted_claims_no_gpu(prepared):

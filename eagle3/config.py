@@ -1,8 +1,9 @@
 """The pipeline's configuration: one pydantic tree, one group per step, every default here.
 
 Fields marked ``affects_output=False`` (batch sizes, devices, locations) are left out of cache
-keys: changing them re-uses every cached artifact. Everything else shapes an artifact and is
-part of the key of the step that reads it.
+keys: changing them re-uses every cached artifact. So are fields the step ignores on this host
+(`_Group.ignored_here`). Everything else shapes an artifact and is part of the key of the step
+that reads it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def default_store_dir() -> Path:
 
 class _Group(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def ignored_here(self) -> set[str]:
+        """Fields the step ignores on this host: changing them there must not re-run it."""
+        return set()
 
 
 class VerifierConfig(_Group):
@@ -190,10 +195,15 @@ class TrainConfig(_Group):
         256, ge=16, description="Out-of-memory back-off halves total_seq_len down to this, then fails.", json_schema_extra=_NO_KEY
     )
     num_gpus: int = Field(
-        1, ge=1, description="GPUs trained on (data parallel through torchrun; more GPUs, larger global batch). CPU: ignored."
+        1, ge=1, description="GPUs trained on (data parallel through torchrun; more GPUs, larger global batch). CPU: ignored, and not in the cache key."
     )
     fsdp: bool = Field(False, description="Shard the draft with FSDP instead of replicating it (DDP).", json_schema_extra=_NO_KEY)
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.", json_schema_extra=_NO_KEY)
+
+    def ignored_here(self) -> set[str]:
+        from eagle3.extract_hidden_states import resolve_device  # imports torch; the config module does not
+
+        return set() if resolve_device(self.device).type == "cuda" else {"num_gpus"}
 
 
 class ExportConfig(_Group):
@@ -280,8 +290,9 @@ def output_affecting(group: BaseModel) -> dict[str, Any]:
     """The fields of a config group (and of groups nested in it) that change its step's output:
     what a cache key includes."""
     out = {}
+    ignored = group.ignored_here() if isinstance(group, _Group) else set()
     for name, field in type(group).model_fields.items():
-        if not (field.json_schema_extra or {}).get("affects_output", True):
+        if not (field.json_schema_extra or {}).get("affects_output", True) or name in ignored:
             continue
         value = getattr(group, name)
         out[name] = output_affecting(value) if isinstance(value, BaseModel) else group.model_dump(mode="json", include={name})[name]

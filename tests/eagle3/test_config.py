@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.config import ConfigError, EndpointConfig, ExtractConfig, PipelineConfig, RegenerateConfig, load_config, output_affecting
+from eagle3.config import (
+    ConfigError, EndpointConfig, ExtractConfig, PipelineConfig, RegenerateConfig, TrainConfig, load_config, output_affecting,
+)
 
 
 def test_overrides_layer_over_yaml_over_defaults(tmp_path):
@@ -30,6 +32,15 @@ def test_unreadable_yaml_names_the_file(tmp_path):
 
     with pytest.raises(ConfigError, match=r"--config '.*bad\.yaml' is not a readable YAML file"):
         load_config(path)
+
+
+def test_num_gpus_is_keyed_only_where_training_runs_on_cuda():
+    """It sets the global batch under torchrun; CPU training ignores it, so changing it must not retrain."""
+    on_cpu = [output_affecting(TrainConfig(device="cpu", num_gpus=n)) for n in (1, 4)]
+    on_cuda = [output_affecting(TrainConfig(device="cuda", num_gpus=n)) for n in (1, 4)]
+
+    assert on_cpu[0] == on_cpu[1] and "num_gpus" not in on_cpu[0]
+    assert on_cuda[0]["num_gpus"] == 1 and on_cuda[1]["num_gpus"] == 4
 
 
 def test_batch_and_device_knobs_are_not_output_affecting():

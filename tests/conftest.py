@@ -170,15 +170,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _serve_draft(tmp_path_factory, num_layers: int):
+    from vllm_server import SERVED_NAME, ServedDraft, train_draft_for_serving, vllm_server
+
+    root = tmp_path_factory.mktemp(f"served-{num_layers}-layer")
+    store, verifier, hidden_states, checkpoint = train_draft_for_serving(root, num_layers)
+    with vllm_server(verifier.path, checkpoint.path, root / "vllm.log") as base_url:
+        yield ServedDraft(base_url, SERVED_NAME, store, verifier, hidden_states, checkpoint)
+
+
 @pytest.fixture(scope="session")
 def served_draft(tmp_path_factory):
     """One real vLLM server for the session: a tiny verifier with a draft the pipeline exported."""
-    from vllm_server import SERVED_NAME, ServedDraft, train_draft_for_serving, vllm_server
+    yield from _serve_draft(tmp_path_factory, num_layers=1)
 
-    root = tmp_path_factory.mktemp("served")
-    store, verifier, hidden_states, checkpoint = train_draft_for_serving(root)
-    with vllm_server(verifier.path, checkpoint.path, root / "vllm.log") as base_url:
-        yield ServedDraft(base_url, SERVED_NAME, store, verifier, hidden_states, checkpoint)
+
+@pytest.fixture(scope="module")
+def served_two_layer_draft(tmp_path_factory):
+    """The same with a 2-layer draft (vLLM builds as many layers as the checkpoint names)."""
+    yield from _serve_draft(tmp_path_factory, num_layers=2)
 
 
 @pytest.fixture(scope="session")

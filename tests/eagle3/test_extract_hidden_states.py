@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from conftest import LogSeen
 from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, VerifierConfig
 from eagle3.extract_hidden_states import (
     FAULT_OOM_ENV, _check_finite, _extract_attempt, _non_finite_per_slot, _shard_lock, extract_hidden_states, hidden_state_files, verify_shard,
@@ -113,7 +114,7 @@ def _while_other_runs_extract(tmp_path, dataset, verifier, held: int, then) -> t
     reference = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "reference"), Provenance())
     keys = [shard["key"] for shard in reference.shards[:held]]
     store = ArtifactStore(tmp_path / "shared")
-    waiting, result, claim_events = threading.Event(), {}, []
+    waiting, result, claim_events = LogSeen("waiting for another run extracting shard"), {}, []
 
     @contextmanager
     def claim():
@@ -121,36 +122,31 @@ def _while_other_runs_extract(tmp_path, dataset, verifier, held: int, then) -> t
         yield None
         claim_events.append("exit")
 
-    class _Waiting(logging.Handler):
-        def emit(self, record):
-            if "waiting for another run extracting shard" in record.getMessage() and not waiting.is_set():
-                result["claimed_while_waiting"] = claim_events[-1:] == ["enter"]
-                waiting.set()
-
     def later_run():
         try:
             result["manifest"] = extract_hidden_states(cfg, dataset, verifier, store, Provenance(), claim=claim)
         except BaseException as exc:
             result["error"] = exc
 
-    handler = _Waiting()
-    logging.getLogger("eagle3.store").addHandler(handler)
+    logging.getLogger("eagle3.store").addHandler(waiting)
     later = threading.Thread(target=later_run)
     try:
         with ExitStack() as others:  # the other runs, part way through their shards
             for key in keys:
                 others.enter_context(_shard_lock(store.root / "shards", key))
             later.start()
-            assert waiting.wait(60), "the later run did not wait for the shards"
+            assert waiting.seen.wait(60), "the later run did not wait for the shards"
+            # The later run is blocked on a held lock, past any claim it took: its claim state is fixed until `then`.
+            claimed_while_waiting = claim_events[-1:] == ["enter"]
             then(store, keys)
         later.join(120)
     finally:
-        logging.getLogger("eagle3.store").removeHandler(handler)
+        logging.getLogger("eagle3.store").removeHandler(waiting)
     assert not later.is_alive()
     if "error" in result:
         raise result["error"]
     assert result["manifest"].digest == reference.digest
-    return result["manifest"], claim_events, result["claimed_while_waiting"]
+    return result["manifest"], claim_events, claimed_while_waiting
 
 
 def _finish(tmp_path):

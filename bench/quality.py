@@ -10,10 +10,10 @@ adds prompts held out of the training file; `--set key.sub=value ...` changes a 
 first N of GSM8K's training questions (`gsm8k_train.jsonl` in DIR, disjoint from the test questions
 evaluated), `--add-train verifier_prompts=N` on N user prompts the verifier writes itself. The
 pipeline flow runs once per eval set on one artifact store: each run after the first reuses every
-step but evaluation. Prints one table (training data, simulated tau, measured tau at k = 3 and 5
-with the n-gram baseline, wall time per step) and writes it as JSON with `--json`, after every
-eval set. `--from-store` runs nothing and reports what the store recorded, so a run cut
-short still yields the eval sets it finished.
+step but the baselines and evaluation. Prints one table (training data, simulated tau, measured
+tau at k = 3 and 5 with the n-gram baseline, wall time per step) and writes it as JSON with
+`--json`, after every eval set. `--from-store` runs nothing and reports what the store recorded,
+so a run cut short still yields the eval sets it finished.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def eval_prompts(name: str, cfg: PipelineConfig, trained: int | None, data: Path
     return path
 
 
-STEP_KINDS = ["verifier", "regenerated", "dataset", "hidden_states", "vocab_mapping", "draft", "checkpoint", "evaluation"]
+STEP_KINDS = ["verifier", "baseline", "regenerated", "dataset", "hidden_states", "vocab_mapping", "draft", "checkpoint", "evaluation"]
 
 
 def _dotted(tree: dict, prefix: str = ""):
@@ -118,7 +118,7 @@ def verifier_prompts(cfg: PipelineConfig, store: Path, count: int, data: Path, b
     per verifier and count."""
     import torch
 
-    from eagle3.evaluate import read_prompts
+    from eagle3.baseline import read_prompts
     from eagle3.extract_hidden_states import resolve_device
     from eagle3.store import ArtifactStore, atomic_write_text
     from eagle3.verifier import eos_token_ids, load_text_model, load_tokenizer, resolve_verifier, verifier_source
@@ -182,8 +182,8 @@ def _recorded_runs(store: Path) -> dict[str, dict[str, dict]]:
     return runs
 
 
-def eval_row(evaluation: dict) -> dict:
-    """One eval set's line of the table, from its evaluation manifest."""
+def eval_row(evaluation: dict, baseline: dict | None) -> dict:
+    """One eval set's line of the table, from its evaluation and baseline manifests."""
     accuracy, coverage = evaluation.get("draft_token_accuracy"), evaluation.get("draft_vocab_coverage")
     return {
         "prompts": evaluation["num_prompts"],
@@ -196,6 +196,7 @@ def eval_row(evaluation: dict) -> dict:
                                            if (r["method"], r["k"]) == ("eagle3", 3) for a in r["acceptance_by_position"]],
         "tau_sim": round(evaluation["tau_sim"], 3),
         "eval_seconds": round(evaluation.get("seconds") or 0.0, 1),
+        "baseline_seconds": round(baseline.get("seconds") or 0.0, 1) if baseline else None,
     }
 
 
@@ -227,7 +228,7 @@ def print_summary(summary: dict) -> None:
     print(f"\nsize {summary['size']}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
           f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs")
     columns = ["tau_sim", "eagle3_k3", "ngram_k3", "eagle3_k5", "ngram_k5", "draft_token_accuracy", "draft_vocab_coverage", "prompts", "tokens", "mismatches",
-               "eval_seconds"]
+               "baseline_seconds", "eval_seconds"]
     print(f"| eval set | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
     for name, row in summary["eval"].items():
         print(f"| {name} | {' | '.join(str(row.get(c, '')) for c in columns)} |")
@@ -277,7 +278,7 @@ def main() -> None:
             print(f"{name}: the store holds no finished run on {prompts}", file=sys.stderr)
             continue
         first_run = first_run or run  # the first run computed the steps every eval set shares
-        rows[name] = eval_row(run["evaluation"])
+        rows[name] = eval_row(run["evaluation"], run.get("baseline"))
         summary = summarize(args, extra, first_run, rows)
         if args.json:
             args.json.write_text(json.dumps(summary, indent=2) + "\n")

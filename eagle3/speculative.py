@@ -40,7 +40,7 @@ class NgramProposer:
     def reset(self, prompt_len: int) -> None:
         pass
 
-    def observe(self, aux_states: torch.Tensor) -> None:
+    def observe(self, aux_states: torch.Tensor | None) -> None:
         pass
 
     def propose(self, context: list[int], k: int) -> list[int]:
@@ -147,15 +147,18 @@ class Eagle3Proposer:
         return self._to_verifier_ids(logits[0].argmax(-1))
 
 
-def _forward(model, capture, ids: list[int], cache, device):
+def _forward(model, capture: HiddenStateCapture | None, ids: list[int], cache, device):
     out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True)
-    aux = capture.stacked()[0, :, :-1].float()  # [len(ids), 3, H]: aux slots only
+    aux = capture.stacked()[0, :, :-1].float() if capture else None  # [len(ids), 3, H]: aux slots only
     return out.logits[0].argmax(-1).tolist(), aux
 
 
 @torch.inference_mode()
-def speculative_decode(model, capture: HiddenStateCapture, proposer, prompt: list[int], max_new_tokens: int, k: int, eos_ids: set[int]) -> DecodeStats:
-    """Generate greedily with drafts from `proposer`; stops at an EOS token or `max_new_tokens`."""
+def speculative_decode(
+    model, capture: HiddenStateCapture | None, proposer, prompt: list[int], max_new_tokens: int, k: int, eos_ids: set[int]
+) -> DecodeStats:
+    """Generate greedily with drafts from `proposer`; stops at an EOS token or `max_new_tokens`.
+    `capture`: the verifier's aux hidden states, which an EAGLE-3 proposer reads (None: n-gram)."""
     device = next(model.parameters()).device
     start = time.perf_counter()
     cache = DynamicCache()
@@ -174,7 +177,7 @@ def speculative_decode(model, capture: HiddenStateCapture, proposer, prompt: lis
         rejected = len(drafts) - accepted
         if rejected:
             cache.crop(-rejected)
-        proposer.observe(aux[: accepted + 1])
+        proposer.observe(None if aux is None else aux[: accepted + 1])
         stats.verifier_passes += 1
         stats.accepted_per_pass.append(accepted)
         for token in new:

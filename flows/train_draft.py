@@ -1,5 +1,7 @@
 """The pipeline as one Prefect flow: verifier -> (regenerated answers) -> dataset ->
-hidden states + vocab mapping -> draft -> checkpoint -> evaluation -> promotion."""
+hidden states + vocab mapping -> draft -> checkpoint -> evaluation -> promotion. The verifier's
+baselines on the eval prompts (plain greedy and n-gram decoding) do not depend on the draft: they
+are measured first, once per verifier and prompts."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from eagle3.promotion import PromotionRecord
 from eagle3.regenerate import regenerated_conversations
 from eagle3.store import ArtifactStore
 from eagle3.verifier import verifier_source
+from tasks.baseline import measure_baselines_task
 from tasks.evaluate import evaluate_task
 from tasks.export import export_checkpoint_task
 from tasks.extract import extract_hidden_states_task
@@ -42,6 +45,9 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
     store = config.store_dir
     with store_in_use(ArtifactStore(store)):  # `eagle3 artifacts gc` refuses to run meanwhile
         verifier = resolve_verifier_task(store, config.verifier, verifier_source(config.verifier))
+        prompts, baselines = eval_prompts_source(config.evaluate), None
+        if config.evaluate.backend == "transformers":  # first: a bad prompts file fails before any training
+            baselines = measure_baselines_task(store, config.evaluate, verifier, prompts)
         source, regenerated = dataset_source(config.dataset), None
         if config.regenerate.enabled:
             regenerated = regenerate_task(store, config.regenerate, source, verifier)
@@ -54,8 +60,8 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
             init = previous_draft_task(store, config.train, verifier, hidden_states, dataset)
         draft = train_draft_task(store, config.train, dataset, hidden_states, vocab, verifier, init)
         checkpoint = export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
-        evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, eval_prompts_source(config.evaluate))
+        evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, prompts, baselines)
         promotion = promote_task(store, config.promotion, evaluation)
-        produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, evaluation]
+        produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, baselines, evaluation]
         lineage = publish_lineage_task(store, [m for m in produced if m is not None], config)
     return PipelineResult(checkpoint=checkpoint, evaluation=evaluation, promotion=promotion, lineage=lineage)

@@ -7,6 +7,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from eagle3 import evaluate as step
+from eagle3.baseline import BaselineManifest
 from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStatesManifest
@@ -26,15 +27,22 @@ def evaluate_task(
     hidden_states: HiddenStatesManifest,
     verifier: VerifierManifest,
     prompts: Path,
+    baselines: BaselineManifest | None,
 ) -> step.EvalManifest:
+    """`baselines`: of the same verifier, prompts and settings (None: backend 'vllm')."""
     store = run_store(store_dir)
-    provenance = step_provenance(step, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts)
-    manifest = step.evaluate(cfg, checkpoint, hidden_states, verifier, prompts, store, provenance, claim=partial(claim_gpus, cfg.device))
+    provenance = step_provenance(
+        step, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts, baselines=baselines
+    )
+    manifest = step.evaluate(
+        cfg, checkpoint, hidden_states, verifier, prompts, store, provenance, baselines, claim=partial(claim_gpus, cfg.device)
+    )
     create_table_artifact(
         key="acceptance-length",
         table=[{**r, "acceptance_by_position": [round(a, 3) for a in r["acceptance_by_position"]]} for r in manifest.results],
         description=f"measured tau (tau_sim {manifest.tau_sim:.3f}); "
-        + (f"plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s" if manifest.greedy_tokens_per_s is not None
+        + (f"plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s on {baselines.measured_on}, the draft on {manifest.measured_on}"
+           if baselines is not None
            else f"from the spec-decode counters of {cfg.endpoint.base_url}"),
     )
     publish_step_report(manifest, {"num_prompts": manifest.num_prompts, "num_tokens": manifest.num_tokens, "mismatches": manifest.mismatches})

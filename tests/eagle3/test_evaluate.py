@@ -7,7 +7,8 @@ import torch
 
 from conftest import CLAIM_WAIT_S, SAMPLE, run_while_another_run_holds_the_step, write_jsonl
 from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
-from eagle3.evaluate import EvalManifest, evaluate, load_draft, read_prompts
+from eagle3.baseline import measure_baselines, read_prompts
+from eagle3.evaluate import EvalManifest, evaluate, load_draft
 from eagle3.endpoint import EndpointError
 from eagle3.export import export_checkpoint
 from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_states
@@ -16,7 +17,7 @@ from eagle3.served_acceptance import read_spec_decode_counters
 from eagle3.speculative import Eagle3Proposer, NgramProposer, draft_token_accuracy, greedy_decode, speculative_decode
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.train import train_draft
-from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
+from eagle3.verifier import eos_token_ids, load_text_model, load_tokenizer, resolve_verifier
 from eagle3.vocab_mapping import build_vocab_mapping
 
 AUX = [1, 2, 3]
@@ -186,21 +187,71 @@ def test_in_vocabulary_counts_the_tokens_the_draft_vocabulary_holds(exported):
     assert proposer.in_vocabulary(outside) == 0
 
 
-def test_evaluate_reports_tau_per_method_and_k(exported):
-    store, verifier, hidden, checkpoint = exported
+@pytest.fixture(scope="module")
+def two_prompts(exported):
+    """Two eval prompts and their baselines."""
+    store, verifier, _, _ = exported
     cfg = EvalConfig(num_prompts=2, max_new_tokens=24, ks=[2, 4])
     prompts = write_jsonl(store.root / "prompts.jsonl", [{"turns": ["What is 2 + 3?", "And 4?"]}, {"question": "Count to five."}])
+    return cfg, prompts, measure_baselines(cfg, verifier, prompts, store, Provenance(config={"prompts": "two"}))
 
-    manifest = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance())
+
+def test_baselines_hold_the_verifiers_plain_greedy_output_of_each_chat_templated_prompt(exported, two_prompts):
+    _, verifier, _, _ = exported
+    cfg, _, baselines = two_prompts
+    tokenizer = load_tokenizer(verifier.path)
+    model = load_text_model(verifier.path, torch.float32, "cpu")
+    eos = eos_token_ids(tokenizer, model)
+
+    for text, reference in zip(["What is 2 + 3?", "Count to five."], baselines.reference(), strict=True):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        assert reference == greedy_decode(model, list(prompt), cfg.max_new_tokens, eos).tokens
+    assert baselines.num_tokens == sum(map(len, baselines.reference()))
+    assert [(r["method"], r["k"]) for r in baselines.results] == [("ngram", 2), ("ngram", 4)]
+    assert baselines.mismatches == 0 and baselines.measured_on.startswith("cpu")
+
+
+def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported, two_prompts):
+    store, verifier, hidden, checkpoint = exported
+    cfg, prompts, baselines = two_prompts
+
+    manifest = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(), baselines)
 
     assert manifest.mismatches == 0 and manifest.num_prompts == 2
     assert [(r["method"], r["k"]) for r in manifest.results] == [("eagle3", 2), ("eagle3", 4), ("ngram", 2), ("ngram", 4)]
+    assert manifest.results[2:] == baselines.results
+    assert (manifest.num_tokens, manifest.greedy_tokens_per_s) == (baselines.num_tokens, baselines.greedy_tokens_per_s)
     for r in manifest.results:
         assert 1.0 <= r["tau"] <= r["k"] + 1
         assert len(r["acceptance_by_position"]) == r["k"]
         assert r["tau"] == pytest.approx(1 + sum(r["acceptance_by_position"]))
+        assert r["tokens"] == baselines.num_tokens  # every decode is the greedy output
     assert json.loads((manifest.path / "report.json").read_text())["results"] == manifest.results
     assert 0.0 <= manifest.draft_token_accuracy <= manifest.draft_vocab_coverage <= 1.0  # never right outside its vocabulary
+
+
+def test_a_draft_output_that_differs_from_the_baselines_greedy_output_is_a_mismatch(exported, two_prompts, tmp_path):
+    import shutil
+
+    store, verifier, hidden, checkpoint = exported
+    cfg, prompts, baselines = two_prompts
+    altered = shutil.copytree(baselines.path, tmp_path / "altered")
+    references = baselines.reference()
+    references[1][-1] = 1 if references[1][-1] != 1 else 2  # the second prompt's last greedy token
+    (altered / "reference.json").write_text(json.dumps(references))
+
+    manifest = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "altered"}),
+                        baselines.model_copy(update={"path": altered}))
+
+    assert manifest.mismatches == len(cfg.ks)  # that prompt's decode at each k
+
+
+def test_baselines_of_other_prompts_are_refused_by_name(exported, two_prompts):
+    store, verifier, hidden, checkpoint = exported
+    cfg, prompts, baselines = two_prompts
+
+    with pytest.raises(ArtifactError, match=rf"{baselines.path}: baselines of 2 prompts for an evaluation of 1"):
+        evaluate(cfg.model_copy(update={"num_prompts": 1}), checkpoint, hidden, verifier, prompts, store, Provenance(config={"n": 1}), baselines)
 
 
 def test_a_run_waiting_for_another_run_of_the_step_claims_its_gpu_only_once_it_holds_the_step(exported):
@@ -209,8 +260,10 @@ def test_a_run_waiting_for_another_run_of_the_step_claims_its_gpu_only_once_it_h
     prompts = write_jsonl(store.root / "one_prompt.jsonl", [{"prompt": "Count to five."}])
     provenance = Provenance(config={"run": "claimed"})
 
+    baselines = measure_baselines(cfg, verifier, prompts, store, provenance)
     run = run_while_another_run_holds_the_step(
-        store, EvalManifest, provenance, lambda claim: evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, claim=claim)
+        store, EvalManifest, provenance,
+        lambda claim: evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, baselines, claim=claim),
     )
 
     [claimed] = run.claimed_at
@@ -247,7 +300,8 @@ def test_served_counters_give_the_acceptance_our_own_decoding_measures(served, r
     served_cfg = own_cfg.model_copy(update={"backend": "vllm", "endpoint": EndpointConfig(base_url=served_draft.base_url, model=served_draft.model)})
 
     served = evaluate(served_cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "served"}))
-    own = evaluate(own_cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "own"}))
+    baselines = measure_baselines(own_cfg, verifier, prompts, store, Provenance(config={"run": "own"}))
+    own = evaluate(own_cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "own"}), baselines)
 
     [row] = served.results
     [reference] = [r for r in own.results if r["method"] == "eagle3"]

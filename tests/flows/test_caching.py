@@ -19,9 +19,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = [
-    "resolve-verifier", "prepare-dataset", "extract-hidden-states", "build-vocab-mapping",
+    "resolve-verifier", "measure-baselines", "prepare-dataset", "extract-hidden-states", "build-vocab-mapping",
     "train-draft", "export-checkpoint", "evaluate",
 ]
+UNTOUCHED_BY_DATA = {"resolve-verifier": "Cached", "measure-baselines": "Cached"}  # the verifier, and its decoding of the eval prompts
 
 
 def _config(store, verifier, data, **train) -> PipelineConfig:
@@ -88,7 +89,7 @@ def test_identical_second_run_is_entirely_cached_and_says_nothing_changed(first_
     assert _published("promotion", second.promotion.run_id).description == second.promotion.summary()
     # What changed comes from the producers in the store: every artifact names the first run.
     assert second.lineage.changes == (
-        f"Nothing changed: this run produced no artifact; all 6 artifacts it used come from earlier runs ({first.lineage.run_id})."
+        f"Nothing changed: this run produced no artifact; all 7 artifacts it used come from earlier runs ({first.lineage.run_id})."
     )
     assert second.checkpoint.producer == first.checkpoint.producer
     assert first.checkpoint.producer.flow_run_id == first.lineage.run_id
@@ -123,7 +124,7 @@ def test_eagle3_lineage_of_a_flow_run_id_prints_the_graph_the_run_published_with
     assert cli.returncode == 0, cli.stderr
     assert f"```mermaid\n{cli.stdout}```" in published.data
     assert cli.stderr == first.lineage.changes + "\n"
-    assert first.lineage.changes.startswith("This run produced 6 of its 6 artifacts")
+    assert first.lineage.changes.startswith("This run produced 7 of its 7 artifacts")
 
 
 def test_a_runs_recorded_configuration_replays_it(first_run):
@@ -150,14 +151,15 @@ def test_a_run_that_trains_attaches_the_drafts_training_curves(first_run):
     assert base64.b64decode(encoded) == (draft.path / draft.curves).read_bytes()
 
 
-def test_changing_only_training_hyperparameters_reruns_train_and_export(first_run, tiny_verifier, conversations):
+def test_changing_only_training_hyperparameters_reruns_train_export_and_evaluation_but_not_the_baselines(first_run):
     config, first = first_run
 
     result, states = _run(config.model_copy(update={"train": config.train.model_copy(update={"lr": 3e-4})}))
 
-    assert states == {**dict.fromkeys(STEPS[:4], "Cached"), **dict.fromkeys(STEPS[4:], "Completed")}
+    assert states == {**dict.fromkeys(STEPS[:5], "Cached"), **dict.fromkeys(STEPS[5:], "Completed")}
     assert result.checkpoint.digest != first.checkpoint.digest
-    assert result.lineage.changes == "This run produced 3 of its 6 artifacts: checkpoint, draft, evaluation."
+    assert result.evaluation.parents["baselines"] == first.evaluation.parents["baselines"]
+    assert result.lineage.changes == "This run produced 3 of its 7 artifacts: checkpoint, draft, evaluation."
 
 
 def test_changing_only_batch_knobs_reruns_nothing(first_run):
@@ -179,7 +181,7 @@ def test_editing_the_dataset_in_place_reruns_everything_downstream(first_run, co
 
     result, states = _run(config)
 
-    assert states == {"resolve-verifier": "Cached", **dict.fromkeys(STEPS[1:], "Completed")}
+    assert states == {**UNTOUCHED_BY_DATA, **dict.fromkeys(STEPS[2:], "Completed")}
     assert result.checkpoint.digest != first.checkpoint.digest
 
 
@@ -193,7 +195,7 @@ def test_appending_records_extracts_only_the_new_shard(first_run, conversations)
 
     result, states = _run(config)
 
-    assert states == {"resolve-verifier": "Cached", **dict.fromkeys(STEPS[1:], "Completed")}
+    assert states == {**UNTOUCHED_BY_DATA, **dict.fromkeys(STEPS[2:], "Completed")}
     hidden = ArtifactStore(config.store_dir).load(HiddenStatesManifest, result.checkpoint.parents["hidden_states"])
     # 40 records in shards of 16 -> 48 records: shards 0-1 are reused, only shard 2 (now 16 records) is extracted
     assert (hidden.num_records, hidden.extracted_shards, hidden.reused_shards) == (48, 1, 2)
@@ -211,7 +213,7 @@ def test_retraining_on_grown_data_continues_from_the_previous_draft_and_then_sta
     grown, states = _run(config)
     again, states_again = _run(config)
 
-    assert states == {"resolve-verifier": "Cached", **dict.fromkeys(STEPS[1:], "Completed"), "find-previous-draft": "Completed"}
+    assert states == {**UNTOUCHED_BY_DATA, **dict.fromkeys(STEPS[2:], "Completed"), "find-previous-draft": "Completed"}
     draft = ArtifactStore(config.store_dir).load(DraftManifest, grown.checkpoint.parents["draft"])
     assert draft.parents["init"] == first.checkpoint.parents["draft"]
     assert states_again == {**dict.fromkeys(STEPS, "Cached"), "find-previous-draft": "Completed"}
@@ -231,7 +233,7 @@ def test_a_step_whose_cached_artifact_gc_deleted_runs_again_instead_of_handing_o
     rebuilt, states = _run(config)
     again, states_again = _run(config)
 
-    assert {s: states[s] for s in STEPS[:5]} == {**dict.fromkeys(STEPS[:4], "Cached"), "train-draft": "Completed"}
+    assert {s: states[s] for s in STEPS[:6]} == {**dict.fromkeys(STEPS[:5], "Cached"), "train-draft": "Completed"}
     assert ArtifactStore(config.store_dir).artifact_dir(rebuilt.checkpoint.parents["draft"]).exists()
     assert rebuilt.checkpoint.path.exists()
     assert states_again == dict.fromkeys(STEPS, "Cached") and again.checkpoint.digest == rebuilt.checkpoint.digest

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_table_artifact
+
+from eagle3 import baseline as step
+from eagle3.config import EvalConfig
+from eagle3.extract_hidden_states import resolve_device
+from eagle3.store import step_provenance
+from eagle3.verifier import VerifierManifest
+from tasks.cache import step_cache_policy
+from tasks.gpu import claim_gpus
+from tasks.report import publish_step_report
+from tasks.store import run_store
+
+
+@task(name="measure-baselines", cache_policy=step_cache_policy(step), persist_result=True)
+def measure_baselines_task(store_dir: str, cfg: EvalConfig, verifier: VerifierManifest, prompts: Path) -> step.BaselineManifest:
+    store = run_store(store_dir)
+    provenance = step_provenance(
+        step, store, verifier=verifier, prompts=prompts, num_prompts=cfg.num_prompts, max_new_tokens=cfg.max_new_tokens,
+        ks=cfg.ks, dtype=cfg.dtype, device_type=resolve_device(cfg.device).type,
+    )
+    manifest = step.measure_baselines(cfg, verifier, prompts, store, provenance, claim=partial(claim_gpus, cfg.device))
+    create_table_artifact(
+        key="baselines",
+        table=[{**r, "acceptance_by_position": [round(a, 3) for a in r["acceptance_by_position"]]} for r in manifest.results],
+        description=f"n-gram prompt lookup; plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s on {manifest.measured_on}",
+    )
+    publish_step_report(manifest, manifest.model_dump(include={"num_prompts", "num_tokens", "mismatches", "measured_on"}))
+    return manifest

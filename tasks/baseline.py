@@ -13,7 +13,7 @@ from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
 from tasks.gpu import claim_gpus
-from tasks.report import publish_step_report
+from tasks.report import decode_rows, publish_step_report
 from tasks.store import run_store
 
 
@@ -27,7 +27,7 @@ def measure_baselines_task(store_dir: str, cfg: EvalConfig, verifier: VerifierMa
     manifest = step.measure_baselines(cfg, verifier, prompts, store, provenance, claim=partial(claim_gpus, cfg.device))
     create_table_artifact(
         key="baselines",
-        table=[{**r, "acceptance_by_position": [round(a, 3) for a in r["acceptance_by_position"]]} for r in manifest.results],
+        table=decode_rows(manifest.results),
         description=f"n-gram prompt lookup; plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s on {manifest.measured_on}",
     )
     publish_step_report(manifest, manifest.model_dump(include={"num_prompts", "num_tokens", "mismatches", "measured_on"}))

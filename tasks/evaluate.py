@@ -15,7 +15,7 @@ from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
 from tasks.gpu import claim_gpus
-from tasks.report import publish_step_report
+from tasks.report import decode_rows, publish_step_report
 from tasks.store import run_store
 
 
@@ -39,7 +39,7 @@ def evaluate_task(
     )
     create_table_artifact(
         key="acceptance-length",
-        table=[{**r, "acceptance_by_position": [round(a, 3) for a in r["acceptance_by_position"]]} for r in manifest.results],
+        table=decode_rows(manifest.results),
         description=f"measured tau (tau_sim {manifest.tau_sim:.3f}); "
         + (f"plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s on {baselines.measured_on}, the draft on {manifest.measured_on}"
            if baselines is not None

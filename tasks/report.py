@@ -10,7 +10,12 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from eagle3.store import ArtifactManifest
 
-__all__ = ["Progress", "publish_image", "publish_step_report"]
+__all__ = ["Progress", "decode_rows", "publish_image", "publish_step_report"]
+
+
+def decode_rows(results: list[dict]) -> list[dict]:
+    """Decode summaries (tau per method and k) as table rows, acceptance rates rounded for reading."""
+    return [{**r, "acceptance_by_position": [round(a, 3) for a in r["acceptance_by_position"]]} for r in results]
 
 
 def publish_step_report(manifest: ArtifactManifest, numbers: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ from eagle3.speculative import DecodeStats, NgramProposer, greedy_decode, specul
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.verifier import VerifierManifest, eos_token_ids, load_text_model, load_tokenizer
 
-__all__ = ["BaselineManifest", "DecodingModel", "decode_summary", "device_name", "measure_baselines", "read_prompts"]
+__all__ = ["BaselineManifest", "DecodingModel", "decode_summary", "device_name", "measure_baselines", "read_prompts", "tau_standard_error"]
 
 logger = logging.getLogger(__name__)
 CODE_DEPENDENCIES = (speculative, prepare_dataset, verifier_module)
@@ -83,14 +83,29 @@ class DecodingModel:
         return cls(model, resolved, eos_token_ids(tokenizer, model), [list(p) for p in prompts])
 
 
+def tau_standard_error(runs: list[DecodeStats]) -> float | None:
+    """Standard error of tau over prompts: tau is a ratio of sums (tokens over passes), linearised,
+    with the prompt as the sampling unit, since the passes of one answer are not independent.
+    Two drafts whose tau differ by less than about twice this are not told apart by these prompts.
+    None with fewer than two prompts or no passes."""
+    per_prompt = [(sum(run.accepted_per_pass) + len(run.accepted_per_pass), len(run.accepted_per_pass)) for run in runs]
+    n, passes = len(per_prompt), sum(p for _, p in per_prompt)
+    if n < 2 or passes == 0:
+        return None
+    tau = sum(t for t, _ in per_prompt) / passes
+    return (n / (n - 1) * sum((t - tau * p) ** 2 for t, p in per_prompt)) ** 0.5 / passes
+
+
 def decode_summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
-    """tau (tokens per verifier pass), acceptance by draft position, speed and counts of `runs`."""
+    """tau (tokens per verifier pass) and its standard error over prompts, acceptance by draft
+    position, speed and counts of `runs` (one per prompt)."""
     passes = [a for run in runs for a in run.accepted_per_pass]
     tokens = sum(len(run.tokens) for run in runs)
     return {
         "method": method,
         "k": k,
         "tau": (sum(passes) + len(passes)) / max(len(passes), 1),
+        "tau_standard_error": tau_standard_error(runs),
         "acceptance_by_position": [sum(a >= i for a in passes) / max(len(passes), 1) for i in range(1, k + 1)],
         "tokens_per_s": tokens / sum(run.seconds for run in runs),
         "verifier_passes": len(passes),

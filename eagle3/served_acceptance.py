@@ -101,7 +101,7 @@ def measure_served_acceptance(cfg: EvalConfig, prompts: list[str], prompts_path:
 
     Returns:
         One result row shaped as `eagle3.evaluate`'s: method, k (the server's), tau,
-        acceptance_by_position, tokens_per_s (all requests together), verifier_passes, tokens.
+        tau_standard_error (None: the counters are totals, not per prompt), acceptance_by_position, tokens_per_s (all requests together), verifier_passes, tokens.
 
     Raises:
         EndpointError: the server is unreachable, does not serve `endpoint.model`, or has no draft.
@@ -126,6 +126,7 @@ def measure_served_acceptance(cfg: EvalConfig, prompts: list[str], prompts_path:
         "method": "eagle3",
         "k": len(counted.accepted_per_position),
         "tau": 1 + counted.accepted / drafts,
+        "tau_standard_error": None,
         "acceptance_by_position": [a / drafts for a in counted.accepted_per_position],
         "tokens_per_s": tokens / seconds,
         "verifier_passes": int(counted.drafts),

@@ -7,14 +7,14 @@ import torch
 
 from conftest import CLAIM_WAIT_S, SAMPLE, run_while_another_run_holds_the_step, write_jsonl
 from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
-from eagle3.baseline import measure_baselines, read_prompts
+from eagle3.baseline import decode_summary, measure_baselines, read_prompts, tau_standard_error
 from eagle3.evaluate import EvalManifest, evaluate, load_draft
 from eagle3.endpoint import EndpointError
 from eagle3.export import export_checkpoint
 from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_states
 from eagle3.prepare_dataset import prepare_dataset
 from eagle3.served_acceptance import read_spec_decode_counters
-from eagle3.speculative import Eagle3Proposer, NgramProposer, draft_token_accuracy, greedy_decode, speculative_decode
+from eagle3.speculative import DecodeStats, Eagle3Proposer, NgramProposer, draft_token_accuracy, greedy_decode, speculative_decode
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.train import train_draft
 from eagle3.verifier import eos_token_ids, load_text_model, load_tokenizer, resolve_verifier
@@ -211,6 +211,32 @@ def test_baselines_hold_the_verifiers_plain_greedy_output_of_each_chat_templated
     assert baselines.mismatches == 0 and baselines.measured_on.startswith("cpu")
 
 
+def _decoded(*accepted_per_prompt: list[int]) -> list[DecodeStats]:
+    return [DecodeStats(tokens=[0] * (sum(a) + len(a)), verifier_passes=len(a), accepted_per_pass=list(a), seconds=1.0)
+            for a in accepted_per_prompt]
+
+
+def test_tau_standard_error_is_over_prompts():
+    # 6 tokens in 2 passes and 4 in 4: tau 10/6, residuals +-8/3, sqrt(2 * 2 * (8/3)^2) / 6 = 8/9
+    assert tau_standard_error(_decoded([2, 2], [0, 0, 0, 0])) == pytest.approx(8 / 9)
+    assert tau_standard_error(_decoded([1, 0], [0, 1, 1, 0, 1, 0])) == 0.0  # every prompt at tau 1.5
+    assert tau_standard_error(_decoded([3, 3, 1])) is None  # one prompt: no spread to measure
+    assert decode_summary("eagle3", 3, _decoded([2, 2], [0, 0, 0, 0]))["tau_standard_error"] == pytest.approx(8 / 9)
+
+
+def test_tau_standard_error_agrees_with_a_leave_one_prompt_out_jackknife():
+    runs = _decoded([3, 3, 0, 1], [0, 0, 1], [2, 3, 3, 3, 1], [0, 1, 0, 0, 0, 2], [1, 1], [3, 0, 0, 2, 3, 3, 1], [0, 0, 0, 1], [2, 2, 3])
+
+    def tau(subset):
+        return sum(len(r.tokens) for r in subset) / sum(r.verifier_passes for r in subset)
+
+    leave_one_out = [tau(runs[:i] + runs[i + 1:]) for i in range(len(runs))]
+    mean = sum(leave_one_out) / len(runs)
+    jackknife = ((len(runs) - 1) / len(runs) * sum((x - mean) ** 2 for x in leave_one_out)) ** 0.5
+
+    assert tau_standard_error(runs) == pytest.approx(jackknife, rel=0.05)
+
+
 def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported, two_prompts):
     store, verifier, hidden, checkpoint = exported
     cfg, prompts, baselines = two_prompts
@@ -225,6 +251,7 @@ def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported,
         assert 1.0 <= r["tau"] <= r["k"] + 1
         assert len(r["acceptance_by_position"]) == r["k"]
         assert r["tau"] == pytest.approx(1 + sum(r["acceptance_by_position"]))
+        assert r["tau_standard_error"] >= 0.0  # two prompts: a spread is measured
         assert r["tokens"] == baselines.num_tokens  # every decode is the greedy output
     assert json.loads((manifest.path / "report.json").read_text())["results"] == manifest.results
     assert 0.0 <= manifest.draft_token_accuracy <= manifest.draft_vocab_coverage <= 1.0  # never right outside its vocabulary

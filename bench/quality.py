@@ -12,8 +12,8 @@ evaluated), `--add-train verifier_prompts=N` on N user prompts the verifier writ
 pipeline flow runs once per eval set on one artifact store: each run after the first reuses every
 step but the baselines and evaluation. Prints one table (training data, simulated tau, measured
 tau at k = 3 and 5 with the n-gram baseline, standard errors over prompts at k = 3, wall time per
-step) and writes it as JSON with `--json`, after every eval set. `--from-store` runs nothing and reports what the store recorded,
-so a run cut short still yields the eval sets it finished.
+step) and writes it as JSON with `--json`, after every eval set. `--from-store` runs nothing and
+reports what the store recorded, so a run cut short still yields the eval sets it finished.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ baselines (`eagle3.baseline`: plain greedy and n-gram prompt lookup, measured on
 and prompts); the report counts any difference.
 
 Output `report.json`: per method and k (the baselines' n-gram rows included), tau (tokens per
-verifier pass) and its standard error over prompts, the acceptance rate of each draft position, tokens/s, and the number of prompts
-and tokens; plus the training-time simulated tau for comparison, and the draft's teacher-forced
+verifier pass) and its standard error over prompts, the acceptance rate of each draft position,
+tokens/s, and the number of prompts and tokens; plus the training-time simulated tau for comparison, and the draft's teacher-forced
 first-token accuracy on the greedy outputs (`draft_token_accuracy`: what validation's step-0
 accuracy would be on these prompts, counted per token rather than per verifier pass) and its
 ceiling, the share of those tokens the draft vocabulary holds (`draft_vocab_coverage`: if low,

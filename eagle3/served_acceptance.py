@@ -101,7 +101,8 @@ def measure_served_acceptance(cfg: EvalConfig, prompts: list[str], prompts_path:
 
     Returns:
         One result row shaped as `eagle3.evaluate`'s: method, k (the server's), tau,
-        tau_standard_error (None: the counters are totals, not per prompt), acceptance_by_position, tokens_per_s (all requests together), verifier_passes, tokens.
+        tau_standard_error (None: the counters are totals, not per prompt), acceptance_by_position,
+        tokens_per_s (all requests together), verifier_passes, tokens.
 
     Raises:
         EndpointError: the server is unreachable, does not serve `endpoint.model`, or has no draft.

@@ -7,12 +7,12 @@ and prompts); the report counts any difference.
 
 Output `report.json`: per method and k (the baselines' n-gram rows included), tau (tokens per
 verifier pass) and its standard error over prompts, the acceptance rate of each draft position,
-tokens/s, and the number of prompts and tokens; plus the training-time simulated tau for comparison, and the draft's teacher-forced
-first-token accuracy on the greedy outputs (`draft_token_accuracy`: what validation's step-0
-accuracy would be on these prompts, counted per token rather than per verifier pass) and its
-ceiling, the share of those tokens the draft vocabulary holds (`draft_vocab_coverage`: if low,
-raise `vocab.draft_vocab_size`). Cost: len(ks) decodes per prompt, and one forward of the verifier
-and the draft over each greedy output.
+tokens/s, and the number of prompts and tokens; plus the training-time simulated tau for
+comparison, and the draft's teacher-forced first-token accuracy on the greedy outputs
+(`draft_token_accuracy`: what validation's step-0 accuracy would be on these prompts, counted per
+token rather than per verifier pass) and its ceiling, the share of those tokens the draft
+vocabulary holds (`draft_vocab_coverage`: if low, raise `vocab.draft_vocab_size`). Cost: len(ks)
+decodes per prompt, and one forward of the verifier and the draft over each greedy output.
 
 Backend `vllm` instead reads the same figures for the draft from a vLLM server that serves it
 (`eagle3.served_acceptance`), at the server's k, without the baselines.

@@ -229,8 +229,8 @@ def summarize(args: argparse.Namespace, extra: dict[str, int], manifests: dict[s
 def print_summary(summary: dict) -> None:
     print(f"\nsize {summary['size']}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
           f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs")
-    columns = ["tau_sim", "eagle3_k3", "eagle3_k3_se", "ngram_k3", "ngram_k3_se", "eagle3_k5", "ngram_k5", "draft_token_accuracy", "draft_vocab_coverage", "prompts", "tokens", "mismatches",
-               "baseline_seconds", "eval_seconds"]
+    columns = ["tau_sim", "eagle3_k3", "eagle3_k3_se", "ngram_k3", "ngram_k3_se", "eagle3_k5", "ngram_k5", "draft_token_accuracy",
+               "draft_vocab_coverage", "prompts", "tokens", "mismatches", "baseline_seconds", "eval_seconds"]
     print(f"| eval set | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
     for name, row in summary["eval"].items():
         print(f"| {name} | {' | '.join(str(row.get(c, '')) for c in columns)} |")

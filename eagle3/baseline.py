@@ -86,8 +86,8 @@ class DecodingModel:
 def tau_standard_error(runs: list[DecodeStats]) -> float | None:
     """Standard error of tau over prompts: tau is a ratio of sums (tokens over passes), linearised,
     with the prompt as the sampling unit, since the passes of one answer are not independent.
-    Two drafts whose tau differ by less than about twice this are not told apart by these prompts.
-    None with fewer than two prompts or no passes."""
+    tau +- 2 x this is roughly a 95% interval for tau over prompts like these. None with fewer
+    than two prompts or no passes."""
     per_prompt = [(sum(run.accepted_per_pass) + len(run.accepted_per_pass), len(run.accepted_per_pass)) for run in runs]
     n, passes = len(per_prompt), sum(p for _, p in per_prompt)
     if n < 2 or passes == 0:

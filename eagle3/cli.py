@@ -117,11 +117,18 @@ def _gpu_limit(gpus: int | None) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def set_prefect_defaults() -> None:
+    """Defaults for every entry point that runs the flow (the environment still wins): a temporary
+    server that may start slowly on two cores, no telemetry (offline GPU hosts log its failures,
+    and its writes contend for the server's SQLite file), library warnings in the run's log."""
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")  # library warnings into the run's log
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    set_prefect_defaults()
     if args.command == "gpu-limit":
         return _gpu_limit(args.gpus)
     if args.command == "lineage":

@@ -11,8 +11,8 @@ first N of GSM8K's training questions (`gsm8k_train.jsonl` in DIR, disjoint from
 evaluated), `--add-train verifier_prompts=N` on N user prompts the verifier writes itself. The
 pipeline flow runs once per eval set on one artifact store: each run after the first reuses every
 step but the baselines and evaluation. Prints one table (training data, simulated tau, measured
-tau at k = 3 and 5 with the n-gram baseline, standard errors over prompts at k = 3, wall time per
-step) and writes it as JSON with `--json`, after every eval set. `--from-store` runs nothing and
+tau at k = 3 and 5 with the n-gram baseline, the draft's gain over n-gram, standard errors over
+prompts at k = 3, wall time per step) and writes it as JSON with `--json`, after every eval set. `--from-store` runs nothing and
 reports what the store recorded, so a run cut short still yields the eval sets it finished.
 """
 
@@ -195,6 +195,9 @@ def eval_row(evaluation: dict, baseline: dict | None) -> dict:
         **{f"{r['method']}_k{r['k']}": round(r["tau"], 3) for r in evaluation["results"]},
         **{f"{r['method']}_k{r['k']}_se": round(r["tau_standard_error"], 3) for r in evaluation["results"]
            if r.get("tau_standard_error") is not None},
+        **{f"eagle3_k{g['k']}_gain": round(g["gain"], 3) for g in evaluation.get("gains_over_ngram") or []},
+        **{f"eagle3_k{g['k']}_gain_se": round(g["standard_error"], 3) for g in evaluation.get("gains_over_ngram") or []
+           if g["standard_error"] is not None},
         "eagle3_k3_accepted_by_position": [round(a, 3) for r in evaluation["results"]
                                            if (r["method"], r["k"]) == ("eagle3", 3) for a in r["acceptance_by_position"]],
         "tau_sim": round(evaluation["tau_sim"], 3),
@@ -230,8 +233,9 @@ def summarize(args: argparse.Namespace, extra: dict[str, int], manifests: dict[s
 def print_summary(summary: dict) -> None:
     print(f"\nsize {summary['size']}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
           f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs")
-    columns = ["tau_sim", "eagle3_k3", "eagle3_k3_se", "ngram_k3", "ngram_k3_se", "eagle3_k5", "ngram_k5", "draft_token_accuracy",
-               "draft_vocab_coverage", "prompts", "tokens", "mismatches", "baseline_seconds", "eval_seconds"]
+    columns = ["tau_sim", "eagle3_k3", "eagle3_k3_se", "ngram_k3", "ngram_k3_se", "eagle3_k3_gain", "eagle3_k3_gain_se", "eagle3_k5",
+               "ngram_k5", "eagle3_k5_gain", "draft_token_accuracy", "draft_vocab_coverage", "prompts", "tokens", "mismatches",
+               "baseline_seconds", "eval_seconds"]
     print(f"| eval set | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
     for name, row in summary["eval"].items():
         print(f"| {name} | {' | '.join(str(row.get(c, '')) for c in columns)} |")

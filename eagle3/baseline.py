@@ -7,7 +7,9 @@ draft, so it is an artifact of its own: evaluating a new draft for the same veri
 decoding settings runs only the draft's decodes. The key holds the device type (CPU or CUDA) the
 decodes run on, since the speeds are compared with the draft's; `measured_on` names the device.
 
-Output `reference.json`: the greedy tokens of each prompt, in order.
+Output `reference.json`: the greedy tokens of each prompt, in order; `per_prompt.json`: each
+prompt's n-gram tokens and verifier passes at each k, for the draft's gain measured on the same
+prompts (`gain_over`).
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ from eagle3.speculative import DecodeStats, NgramProposer, greedy_decode, specul
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.verifier import VerifierManifest, eos_token_ids, load_text_model, load_tokenizer
 
-__all__ = ["BaselineManifest", "DecodingModel", "decode_summary", "device_name", "measure_baselines", "read_prompts", "tau_standard_error"]
+__all__ = [
+    "BaselineManifest", "DecodingModel", "decode_summary", "device_name", "gain_over", "measure_baselines", "per_prompt_counts",
+    "read_prompts", "tau_standard_error",
+]
 
 logger = logging.getLogger(__name__)
 CODE_DEPENDENCIES = (speculative, prepare_dataset, verifier_module)
 REFERENCE = "reference.json"
+PER_PROMPT = "per_prompt.json"
 
 
 class BaselineManifest(ArtifactManifest):
@@ -48,6 +54,11 @@ class BaselineManifest(ArtifactManifest):
     def reference(self) -> list[list[int]]:
         """The verifier's greedy tokens for each prompt."""
         return json.loads((self.path / REFERENCE).read_text())
+
+    def ngram_counts(self, k: int) -> list[tuple[int, int]] | None:
+        """Each prompt's (tokens, verifier passes) with n-gram drafting at k (None: k not measured)."""
+        counts = json.loads((self.path / PER_PROMPT).read_text()).get(str(k))
+        return None if counts is None else [tuple(c) for c in counts]
 
 
 def read_prompts(path: Path, limit: int) -> list[str]:
@@ -83,17 +94,49 @@ class DecodingModel:
         return cls(model, resolved, eos_token_ids(tokenizer, model), [list(p) for p in prompts])
 
 
+def per_prompt_counts(runs: list[DecodeStats]) -> list[tuple[int, int]]:
+    """Each prompt's (tokens, verifier passes) as tau counts them: every pass yields its accepted
+    draft tokens and one of the verifier's own."""
+    return [(sum(run.accepted_per_pass) + len(run.accepted_per_pass), len(run.accepted_per_pass)) for run in runs]
+
+
+def _tau(counts: list[tuple[int, int]]) -> float:
+    return sum(t for t, _ in counts) / sum(p for _, p in counts)
+
+
+def _influences(counts: list[tuple[int, int]]) -> list[float]:
+    """Each prompt's first-order share of tau = sum(tokens) / sum(passes) (they sum to zero)."""
+    tau, passes = _tau(counts), sum(p for _, p in counts)
+    return [(t - tau * p) / passes for t, p in counts]
+
+
+def _standard_error(influences: list[float]) -> float:
+    n = len(influences)
+    return (n / (n - 1) * sum(x * x for x in influences)) ** 0.5
+
+
 def tau_standard_error(runs: list[DecodeStats]) -> float | None:
     """Standard error of tau over prompts: tau is a ratio of sums (tokens over passes), linearised,
     with the prompt as the sampling unit, since the passes of one answer are not independent.
     tau +- 2 x this is roughly a 95% interval for tau over prompts like these. None with fewer
     than two prompts or no passes."""
-    per_prompt = [(sum(run.accepted_per_pass) + len(run.accepted_per_pass), len(run.accepted_per_pass)) for run in runs]
-    n, passes = len(per_prompt), sum(p for _, p in per_prompt)
-    if n < 2 or passes == 0:
+    counts = per_prompt_counts(runs)
+    if len(counts) < 2 or sum(p for _, p in counts) == 0:
         return None
-    tau = sum(t for t, _ in per_prompt) / passes
-    return (n / (n - 1) * sum((t - tau * p) ** 2 for t, p in per_prompt)) ** 0.5 / passes
+    return _standard_error(_influences(counts))
+
+
+def gain_over(counts: list[tuple[int, int]], baseline: list[tuple[int, int]]) -> tuple[float, float | None]:
+    """tau of one drafter minus tau of another decoding the same prompts (per prompt: tokens,
+    passes), and its standard error over prompts. Paired: a prompt both find easy lifts both taus,
+    so the difference's error is usually smaller than the two errors combined as if independent.
+    None with fewer than two prompts."""
+    if len(counts) != len(baseline):
+        raise ValueError(f"{len(counts)} prompts against a baseline of {len(baseline)}")
+    gain = _tau(counts) - _tau(baseline)
+    if len(counts) < 2:
+        return gain, None
+    return gain, _standard_error([a - b for a, b in zip(_influences(counts), _influences(baseline))])
 
 
 def decode_summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
@@ -138,6 +181,7 @@ def measure_baselines(
         if mismatches:
             logger.warning("%d n-gram decodes differ from plain greedy decoding (numerical ties?)", mismatches)
         (work / REFERENCE).write_text(json.dumps([r.tokens for r in references]))
+        (work / PER_PROMPT).write_text(json.dumps({str(k): per_prompt_counts(runs) for k, runs in ngram.items()}))
         num_tokens = sum(len(r.tokens) for r in references)
         return store.publish(
             work,

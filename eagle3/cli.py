@@ -117,6 +117,10 @@ def _gpu_limit(gpus: int | None) -> int:
     return 0
 
 
+def _error(standard_error: float | None) -> str:
+    return "" if standard_error is None else f" (standard error {standard_error:.3f} over prompts)"
+
+
 def set_prefect_defaults() -> None:
     """Defaults for every entry point that runs the flow (the environment still wins): a temporary
     server that may start slowly on two cores, no telemetry (offline GPU hosts log its failures,
@@ -155,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checkpoint: {checkpoint.path}")
     print(f"simulated acceptance length (tau_sim): {checkpoint.tau_sim:.3f}")
     print(f"measured acceptance length on {evaluation.num_prompts} prompts ({evaluation.path / 'report.json'}):")
+    gains = {g["k"]: g for g in evaluation.gains_over_ngram or []}
     for r in evaluation.results:
-        print(f"  {r['method']:>6} k={r['k']}: tau {r['tau']:.3f}")
+        line = f"  {r['method']:>6} k={r['k']}: tau {r['tau']:.3f}{_error(r['tau_standard_error'])}"
+        if r["method"] == "eagle3" and (gain := gains.get(r["k"])):
+            line += f", {gain['gain']:+.3f} over n-gram{_error(gain['standard_error'])}"
+        print(line)
     if evaluation.draft_token_accuracy is not None:
         print(f"draft's first-token accuracy on these outputs, per token as in validation: {evaluation.draft_token_accuracy:.3f}")
     if evaluation.draft_vocab_coverage is not None:

@@ -7,7 +7,9 @@ and prompts); the report counts any difference.
 
 Output `report.json`: per method and k (the baselines' n-gram rows included), tau (tokens per
 verifier pass) and its standard error over prompts, the acceptance rate of each draft position,
-tokens/s, and the number of prompts and tokens; plus the training-time simulated tau for
+tokens/s, and the number of prompts and tokens; at each k, what the draft adds over n-gram
+(`gains_over_ngram`: the difference of the two taus and its standard error, paired over the same
+prompts); plus the training-time simulated tau for
 comparison, and the draft's teacher-forced first-token accuracy on the greedy outputs
 (`draft_token_accuracy`: what validation's step-0 accuracy would be on these prompts, counted per
 token rather than per verifier pass) and its ceiling, the share of those tokens the draft
@@ -29,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3 import baseline, endpoint, served_acceptance, speculative
-from eagle3.baseline import BaselineManifest, DecodingModel, decode_summary, device_name, read_prompts
+from eagle3.baseline import BaselineManifest, DecodingModel, decode_summary, device_name, gain_over, per_prompt_counts, read_prompts
 from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStateCapture, HiddenStatesManifest
@@ -57,6 +59,7 @@ class EvalManifest(ArtifactManifest):
     draft_token_accuracy: float | None = None  # teacher-forced step-0 accuracy on the greedy outputs (None: backend 'vllm')
     draft_vocab_coverage: float | None = None  # share of those drafted tokens inside the draft vocabulary (None: backend 'vllm')
     measured_on: str | None = None  # the device of the draft's decodes (None: backend 'vllm')
+    gains_over_ngram: list[dict] | None = None  # per k: draft tau minus n-gram tau, paired standard error (None: backend 'vllm')
 
 
 def eval_prompts_source(cfg: EvalConfig) -> Path:
@@ -86,6 +89,16 @@ class _Measured:
     draft_token_accuracy: float | None = None
     draft_vocab_coverage: float | None = None
     measured_on: str | None = None
+    gains_over_ngram: list[dict] | None = None
+
+
+def _gains_over_ngram(runs: dict[int, list], baselines: BaselineManifest) -> list[dict]:
+    gains = []
+    for k, draft_runs in runs.items():
+        if (ngram := baselines.ngram_counts(k)) is not None:
+            gain, error = gain_over(per_prompt_counts(draft_runs), ngram)
+            gains.append({"k": k, "gain": gain, "standard_error": error})
+    return gains
 
 
 def _measure_by_own_decoding(
@@ -120,6 +133,7 @@ def _measure_by_own_decoding(
         draft_token_accuracy=correct / drafted if drafted else None,
         draft_vocab_coverage=covered / drafted if drafted else None,
         measured_on=device_name(on.device),
+        gains_over_ngram=_gains_over_ngram(runs, baselines),
     )
 
 
@@ -164,7 +178,8 @@ def evaluate(
                 on_device = cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)})
                 measured = _measure_by_own_decoding(on_device, checkpoint, hidden_states, verifier, texts, baselines)
         report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches,
-                  "draft_token_accuracy": measured.draft_token_accuracy, "draft_vocab_coverage": measured.draft_vocab_coverage}
+                  "draft_token_accuracy": measured.draft_token_accuracy, "draft_vocab_coverage": measured.draft_vocab_coverage,
+                  "gains_over_ngram": measured.gains_over_ngram}
         (work / "report.json").write_text(json.dumps(report, indent=2, default=float))
         return store.publish(
             work,
@@ -180,6 +195,7 @@ def evaluate(
                 draft_token_accuracy=measured.draft_token_accuracy,
                 draft_vocab_coverage=measured.draft_vocab_coverage,
                 measured_on=measured.measured_on,
+                gains_over_ngram=measured.gains_over_ngram,
                 seconds=clock(),
             ),
         )

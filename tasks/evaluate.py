@@ -45,5 +45,9 @@ def evaluate_task(
            if baselines is not None
            else f"from the spec-decode counters of {cfg.endpoint.base_url}"),
     )
-    publish_step_report(manifest, {"num_prompts": manifest.num_prompts, "num_tokens": manifest.num_tokens, "mismatches": manifest.mismatches})
+    gains = {f"gain_over_ngram_k{g['k']}": f"{g['gain']:+.3f}" + ("" if g["standard_error"] is None else f" (SE {g['standard_error']:.3f})")
+             for g in manifest.gains_over_ngram or []}
+    publish_step_report(
+        manifest, {"num_prompts": manifest.num_prompts, "num_tokens": manifest.num_tokens, "mismatches": manifest.mismatches, **gains}
+    )
     return manifest

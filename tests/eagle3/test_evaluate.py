@@ -7,7 +7,7 @@ import torch
 
 from conftest import CLAIM_WAIT_S, SAMPLE, run_while_another_run_holds_the_step, write_jsonl
 from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
-from eagle3.baseline import decode_summary, measure_baselines, read_prompts, tau_standard_error
+from eagle3.baseline import decode_summary, gain_over, measure_baselines, per_prompt_counts, read_prompts, tau_standard_error
 from eagle3.evaluate import EvalManifest, evaluate, load_draft
 from eagle3.endpoint import EndpointError
 from eagle3.export import export_checkpoint
@@ -209,6 +209,10 @@ def test_baselines_hold_the_verifiers_plain_greedy_output_of_each_chat_templated
     assert baselines.num_tokens == sum(map(len, baselines.reference()))
     assert [(r["method"], r["k"]) for r in baselines.results] == [("ngram", 2), ("ngram", 4)]
     assert baselines.mismatches == 0 and baselines.measured_on.startswith("cpu")
+    for row in baselines.results:  # the per-prompt counts kept for paired gains add up to the row
+        counts = baselines.ngram_counts(row["k"])
+        assert len(counts) == 2 and sum(t for t, _ in counts) / sum(p for _, p in counts) == pytest.approx(row["tau"])
+    assert baselines.ngram_counts(3) is None  # k not measured
 
 
 def _decoded(*accepted_per_prompt: list[int]) -> list[DecodeStats]:
@@ -237,6 +241,33 @@ def test_tau_standard_error_agrees_with_a_leave_one_prompt_out_jackknife():
     assert tau_standard_error(runs) == pytest.approx(jackknife, rel=0.05)
 
 
+def test_the_gain_over_a_baseline_is_paired_over_prompts():
+    assert gain_over([(5, 2), (3, 3)], [(5, 2), (3, 3)]) == (0.0, 0.0)
+    assert gain_over([(6, 2), (3, 1)], [(6, 4), (3, 2)]) == (1.5, 0.0)  # tau 3 against 1.5 on every prompt
+    # Prompt 1 easy for both (tau 4 and 2), prompt 2 hard for both (2 and 1): tau 12/4 - 12/8 = 1.5.
+    # Influences +-1/2 and +-1/4, differences +-1/4: sqrt(2 * 2 / 16) = 1/2, against
+    # sqrt(1 + 1/4) = 1.118 for the two standard errors combined as if independent.
+    draft_runs, ngram_runs = _decoded([3, 3], [1, 1]), _decoded([1, 1, 1, 1], [0, 0, 0, 0])
+    draft, ngram = per_prompt_counts(draft_runs), per_prompt_counts(ngram_runs)
+    assert (draft, ngram) == ([(8, 2), (4, 2)], [(8, 4), (4, 4)])
+    assert gain_over(draft, ngram) == pytest.approx((1.5, 0.5))
+    assert (tau_standard_error(draft_runs) ** 2 + tau_standard_error(ngram_runs) ** 2) ** 0.5 == pytest.approx(1.25**0.5)
+    assert gain_over([(4, 2)], [(4, 4)]) == (1.0, None)  # one prompt: no spread to measure
+    with pytest.raises(ValueError, match="2 prompts against a baseline of 1"):
+        gain_over(draft, [(4, 4)])
+
+
+def test_the_gains_standard_error_agrees_with_a_leave_one_prompt_out_jackknife():
+    draft = per_prompt_counts(_decoded([3, 3, 0, 1], [0, 0, 1], [2, 3, 3, 3, 1], [0, 1, 0, 0, 0, 2], [1, 1], [3, 0, 0, 2, 3, 3, 1]))
+    ngram = per_prompt_counts(_decoded([1, 0, 0, 0, 2, 0], [0, 0, 0], [1, 2, 0, 0, 0, 3, 0], [0, 0, 0, 0, 0, 0, 1], [0, 0, 1], [2, 0, 0, 0, 0, 0, 1, 1]))
+    n = len(draft)
+    leave_one_out = [gain_over(draft[:i] + draft[i + 1:], ngram[:i] + ngram[i + 1:])[0] for i in range(n)]
+    mean = sum(leave_one_out) / n
+    jackknife = ((n - 1) / n * sum((x - mean) ** 2 for x in leave_one_out)) ** 0.5
+
+    assert gain_over(draft, ngram)[1] == pytest.approx(jackknife, rel=0.1)
+
+
 def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported, two_prompts):
     store, verifier, hidden, checkpoint = exported
     cfg, prompts, baselines = two_prompts
@@ -253,7 +284,12 @@ def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported,
         assert r["tau"] == pytest.approx(1 + sum(r["acceptance_by_position"]))
         assert r["tau_standard_error"] >= 0.0  # two prompts: a spread is measured
         assert r["tokens"] == baselines.num_tokens  # every decode is the greedy output
-    assert json.loads((manifest.path / "report.json").read_text())["results"] == manifest.results
+    taus = {(r["method"], r["k"]): r["tau"] for r in manifest.results}
+    assert [g["k"] for g in manifest.gains_over_ngram] == [2, 4]
+    for g in manifest.gains_over_ngram:
+        assert g["gain"] == pytest.approx(taus["eagle3", g["k"]] - taus["ngram", g["k"]]) and g["standard_error"] >= 0.0
+    report = json.loads((manifest.path / "report.json").read_text())
+    assert (report["results"], report["gains_over_ngram"]) == (manifest.results, manifest.gains_over_ngram)
     assert 0.0 <= manifest.draft_token_accuracy <= manifest.draft_vocab_coverage <= 1.0  # never right outside its vocabulary
 
 
@@ -334,6 +370,7 @@ def test_served_counters_give_the_acceptance_our_own_decoding_measures(served, r
     [reference] = [r for r in own.results if r["method"] == "eagle3"]
     assert (row["method"], row["k"], row["tokens"]) == ("eagle3", 3, reference["tokens"])
     assert row.keys() == reference.keys() and row["tau_standard_error"] is None  # counters are totals, not per prompt
+    assert served.gains_over_ngram is None and own.gains_over_ngram[0]["k"] == 3
     assert row["verifier_passes"] == reference["verifier_passes"]
     # Accepted counts may differ by a token or two over the run (seen: 54 served, 52 ours of 137 passes).
     assert row["acceptance_by_position"] == pytest.approx(reference["acceptance_by_position"], abs=0.02)

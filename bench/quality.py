@@ -12,8 +12,9 @@ evaluated), `--add-train verifier_prompts=N` on N user prompts the verifier writ
 pipeline flow runs once per eval set on one artifact store: each run after the first reuses every
 step but the baselines and evaluation. Prints one table (training data, simulated tau, measured
 tau at k = 3 and 5 with the n-gram baseline, the draft's gain over n-gram, standard errors over
-prompts at k = 3, wall time per step) and writes it as JSON with `--json`, after every eval set. `--from-store` runs nothing and
-reports what the store recorded, so a run cut short still yields the eval sets it finished.
+prompts at k = 3, wall time per step), MT-bench by category at k = 3, and writes it all as JSON
+with `--json`, after every eval set. `--from-store` runs nothing and reports what the store
+recorded, so a run cut short still yields the eval sets it finished.
 """
 
 from __future__ import annotations
@@ -206,6 +207,28 @@ def eval_row(evaluation: dict, baseline: dict | None) -> dict:
     }
 
 
+def by_category(evaluation: dict, prompts: Path, k: int = 3) -> dict | None:
+    """Per `category` of the prompts (MT-bench's eight): tau of the draft and of n-gram at k, and
+    the draft's gain with its standard error paired over the category's prompts. None where the
+    prompts have no category or the evaluation kept no per-prompt counts."""
+    from eagle3.baseline import gain_over, tau_from_counts
+    from eagle3.evaluate import EvalManifest
+
+    manifest = EvalManifest.model_validate(evaluation)
+    draft, ngram = manifest.per_prompt_counts("eagle3", k), manifest.per_prompt_counts("ngram", k)
+    categories = [json.loads(line).get("category") for line in _lines(prompts)[: manifest.num_prompts]]
+    if draft is None or ngram is None or None in categories:
+        return None
+    rows = {}
+    for category in dict.fromkeys(categories):
+        ours = [i for i, c in enumerate(categories) if c == category]
+        gain, error = gain_over([draft[i] for i in ours], [ngram[i] for i in ours])
+        rows[category] = {"prompts": len(ours), f"eagle3_k{k}": round(tau_from_counts([draft[i] for i in ours]), 3),
+                          f"ngram_k{k}": round(tau_from_counts([ngram[i] for i in ours]), 3), f"eagle3_k{k}_gain": round(gain, 3),
+                          f"eagle3_k{k}_gain_se": None if error is None else round(error, 3)}
+    return rows
+
+
 def summarize(args: argparse.Namespace, extra: dict[str, int], manifests: dict[str, dict], rows: dict[str, dict]) -> dict:
     """The benchmark's record: training data and how training went (from the first run's manifests), one row per eval set."""
     dataset, draft = manifests["dataset"], manifests["draft"]
@@ -239,6 +262,12 @@ def print_summary(summary: dict) -> None:
     print(f"| eval set | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
     for name, row in summary["eval"].items():
         print(f"| {name} | {' | '.join(str(row.get(c, '')) for c in columns)} |")
+    for name, row in summary["eval"].items():
+        if categories := row.get("by_category"):
+            columns = list(next(iter(categories.values())))
+            print(f"\n{name} by category\n| category | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
+            for category, numbers in categories.items():
+                print(f"| {category} | {' | '.join(str(numbers[c]) for c in columns)} |")
     print("\nwall seconds per step (first run): " + ", ".join(f"{k} {v}" for k, v in summary["step_seconds"].items()))
     print(f"training: {summary['draft']['num_steps']} steps, median {summary['draft']['tokens_per_s']} tok/s, "
           f"seconds by phase {summary['draft']['time_breakdown_s']}; by epoch {summary['draft']['by_epoch']}")
@@ -287,6 +316,8 @@ def main() -> None:
             continue
         first_run = first_run or run  # the first run computed the steps every eval set shares
         rows[name] = eval_row(run["evaluation"], run.get("baseline"))
+        if categories := by_category(run["evaluation"], prompts):
+            rows[name]["by_category"] = categories
         summary = summarize(args, extra, first_run, rows)
         if args.json:
             args.json.write_text(json.dumps(summary, indent=2) + "\n")

@@ -33,7 +33,7 @@ from eagle3.verifier import VerifierManifest, eos_token_ids, load_text_model, lo
 
 __all__ = [
     "BaselineManifest", "DecodingModel", "decode_summary", "device_name", "gain_over", "measure_baselines", "per_prompt_counts",
-    "read_prompts", "tau_standard_error",
+    "read_prompts", "tau_from_counts", "tau_standard_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -100,13 +100,14 @@ def per_prompt_counts(runs: list[DecodeStats]) -> list[tuple[int, int]]:
     return [(sum(run.accepted_per_pass) + len(run.accepted_per_pass), len(run.accepted_per_pass)) for run in runs]
 
 
-def _tau(counts: list[tuple[int, int]]) -> float:
+def tau_from_counts(counts: list[tuple[int, int]]) -> float:
+    """tau of per-prompt (tokens, passes): all tokens over all passes."""
     return sum(t for t, _ in counts) / sum(p for _, p in counts)
 
 
 def _influences(counts: list[tuple[int, int]]) -> list[float]:
     """Each prompt's first-order share of tau = sum(tokens) / sum(passes) (they sum to zero)."""
-    tau, passes = _tau(counts), sum(p for _, p in counts)
+    tau, passes = tau_from_counts(counts), sum(p for _, p in counts)
     return [(t - tau * p) / passes for t, p in counts]
 
 
@@ -133,7 +134,7 @@ def gain_over(counts: list[tuple[int, int]], baseline: list[tuple[int, int]]) ->
     None with fewer than two prompts."""
     if len(counts) != len(baseline):
         raise ValueError(f"{len(counts)} prompts against a baseline of {len(baseline)}")
-    gain = _tau(counts) - _tau(baseline)
+    gain = tau_from_counts(counts) - tau_from_counts(baseline)
     if len(counts) < 2:
         return gain, None
     return gain, _standard_error([a - b for a, b in zip(_influences(counts), _influences(baseline))])

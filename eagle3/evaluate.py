@@ -15,6 +15,8 @@ comparison, and the draft's teacher-forced first-token accuracy on the greedy ou
 token rather than per verifier pass) and its ceiling, the share of those tokens the draft
 vocabulary holds (`draft_vocab_coverage`: if low, raise `vocab.draft_vocab_size`). Cost: len(ks)
 decodes per prompt, and one forward of the verifier and the draft over each greedy output.
+`per_prompt.json`: each prompt's tokens and verifier passes per method and k, in prompt order, to
+break tau down by kind of prompt or compare two drafts on the same prompts.
 
 Backend `vllm` instead reads the same figures for the draft from a vLLM server that serves it
 (`eagle3.served_acceptance`), at the server's k, without the baselines.
@@ -31,7 +33,9 @@ import torch
 from tqdm import tqdm
 
 from eagle3 import baseline, endpoint, served_acceptance, speculative
-from eagle3.baseline import BaselineManifest, DecodingModel, decode_summary, device_name, gain_over, per_prompt_counts, read_prompts
+from eagle3.baseline import (
+    PER_PROMPT, BaselineManifest, DecodingModel, decode_summary, device_name, gain_over, per_prompt_counts, read_prompts,
+)
 from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStateCapture, HiddenStatesManifest
@@ -60,6 +64,12 @@ class EvalManifest(ArtifactManifest):
     draft_vocab_coverage: float | None = None  # share of those drafted tokens inside the draft vocabulary (None: backend 'vllm')
     measured_on: str | None = None  # the device of the draft's decodes (None: backend 'vllm')
     gains_over_ngram: list[dict] | None = None  # per k: draft tau minus n-gram tau, paired standard error (None: backend 'vllm')
+
+    def per_prompt_counts(self, method: str, k: int) -> list[tuple[int, int]] | None:
+        """Each prompt's (tokens, verifier passes) with `method` at k (None: not measured, or backend 'vllm')."""
+        path = self.path / PER_PROMPT
+        counts = json.loads(path.read_text()).get(method, {}).get(str(k)) if path.exists() else None
+        return None if counts is None else [tuple(c) for c in counts]
 
 
 def eval_prompts_source(cfg: EvalConfig) -> Path:
@@ -90,15 +100,12 @@ class _Measured:
     draft_vocab_coverage: float | None = None
     measured_on: str | None = None
     gains_over_ngram: list[dict] | None = None
+    per_prompt: dict[str, dict[int, list]] | None = None  # method -> k -> (tokens, passes) of each prompt
 
 
-def _gains_over_ngram(runs: dict[int, list], baselines: BaselineManifest) -> list[dict]:
-    gains = []
-    for k, draft_runs in runs.items():
-        if (ngram := baselines.ngram_counts(k)) is not None:
-            gain, error = gain_over(per_prompt_counts(draft_runs), ngram)
-            gains.append({"k": k, "gain": gain, "standard_error": error})
-    return gains
+def _gain_row(k: int, draft: list[tuple[int, int]], ngram: list[tuple[int, int]]) -> dict:
+    gain, error = gain_over(draft, ngram)
+    return {"k": k, "gain": gain, "standard_error": error}
 
 
 def _measure_by_own_decoding(
@@ -125,6 +132,8 @@ def _measure_by_own_decoding(
         capture.close()
     if mismatches:
         logger.warning("%d speculative decodes differ from plain greedy decoding (numerical ties?)", mismatches)
+    draft_counts = {k: per_prompt_counts(r) for k, r in runs.items()}
+    ngram_counts = {k: counts for k in runs if (counts := baselines.ngram_counts(k)) is not None}
     return _Measured(
         results=[decode_summary("eagle3", k, r) for k, r in runs.items()] + baselines.results,
         num_tokens=baselines.num_tokens,
@@ -133,7 +142,8 @@ def _measure_by_own_decoding(
         draft_token_accuracy=correct / drafted if drafted else None,
         draft_vocab_coverage=covered / drafted if drafted else None,
         measured_on=device_name(on.device),
-        gains_over_ngram=_gains_over_ngram(runs, baselines),
+        gains_over_ngram=[_gain_row(k, draft_counts[k], counts) for k, counts in ngram_counts.items()],
+        per_prompt={"eagle3": draft_counts, "ngram": ngram_counts},
     )
 
 
@@ -181,6 +191,8 @@ def evaluate(
                   "draft_token_accuracy": measured.draft_token_accuracy, "draft_vocab_coverage": measured.draft_vocab_coverage,
                   "gains_over_ngram": measured.gains_over_ngram}
         (work / "report.json").write_text(json.dumps(report, indent=2, default=float))
+        if measured.per_prompt is not None:
+            (work / PER_PROMPT).write_text(json.dumps(measured.per_prompt))
         return store.publish(
             work,
             EvalManifest(

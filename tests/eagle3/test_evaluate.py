@@ -7,7 +7,7 @@ import torch
 
 from conftest import CLAIM_WAIT_S, SAMPLE, run_while_another_run_holds_the_step, write_jsonl
 from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
-from eagle3.baseline import decode_summary, gain_over, measure_baselines, per_prompt_counts, read_prompts, tau_standard_error
+from eagle3.baseline import decode_summary, gain_over, measure_baselines, per_prompt_counts, read_prompts, tau_from_counts, tau_standard_error
 from eagle3.evaluate import EvalManifest, evaluate, load_draft
 from eagle3.endpoint import EndpointError
 from eagle3.export import export_checkpoint
@@ -211,7 +211,7 @@ def test_baselines_hold_the_verifiers_plain_greedy_output_of_each_chat_templated
     assert baselines.mismatches == 0 and baselines.measured_on.startswith("cpu")
     for row in baselines.results:  # the per-prompt counts kept for paired gains add up to the row
         counts = baselines.ngram_counts(row["k"])
-        assert len(counts) == 2 and sum(t for t, _ in counts) / sum(p for _, p in counts) == pytest.approx(row["tau"])
+        assert len(counts) == 2 and tau_from_counts(counts) == pytest.approx(row["tau"])
     assert baselines.ngram_counts(3) is None  # k not measured
 
 
@@ -285,6 +285,10 @@ def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported,
         assert r["tau_standard_error"] >= 0.0  # two prompts: a spread is measured
         assert r["tokens"] == baselines.num_tokens  # every decode is the greedy output
     taus = {(r["method"], r["k"]): r["tau"] for r in manifest.results}
+    for (method, k), tau in taus.items():  # each prompt's counts, kept to break tau down, add up to the row
+        counts = manifest.per_prompt_counts(method, k)
+        assert len(counts) == 2 and tau_from_counts(counts) == pytest.approx(tau)
+    assert manifest.per_prompt_counts("eagle3", 3) is None  # k not measured
     assert [g["k"] for g in manifest.gains_over_ngram] == [2, 4]
     for g in manifest.gains_over_ngram:
         assert g["gain"] == pytest.approx(taus["eagle3", g["k"]] - taus["ngram", g["k"]]) and g["standard_error"] >= 0.0
@@ -371,6 +375,7 @@ def test_served_counters_give_the_acceptance_our_own_decoding_measures(served, r
     assert (row["method"], row["k"], row["tokens"]) == ("eagle3", 3, reference["tokens"])
     assert row.keys() == reference.keys() and row["tau_standard_error"] is None  # counters are totals, not per prompt
     assert served.gains_over_ngram is None and own.gains_over_ngram[0]["k"] == 3
+    assert served.per_prompt_counts("eagle3", 3) is None and len(own.per_prompt_counts("eagle3", 3)) == 4
     assert row["verifier_passes"] == reference["verifier_passes"]
     # Accepted counts may differ by a token or two over the run (seen: 54 served, 52 ours of 137 passes).
     assert row["acceptance_by_position"] == pytest.approx(reference["acceptance_by_position"], abs=0.02)

@@ -9,14 +9,14 @@ Output `report.json`: per method and k (the baselines' n-gram rows included), ta
 verifier pass) and its standard error over prompts, the acceptance rate of each draft position,
 tokens/s, and the number of prompts and tokens; at each k, what the draft adds over n-gram
 (`gains_over_ngram`: the difference of the two taus and its standard error, paired over the same
-prompts); plus the training-time simulated tau for
-comparison, and the draft's teacher-forced first-token accuracy on the greedy outputs
-(`draft_token_accuracy`: what validation's step-0 accuracy would be on these prompts, counted per
-token rather than per verifier pass) and its ceiling, the share of those tokens the draft
-vocabulary holds (`draft_vocab_coverage`: if low, raise `vocab.draft_vocab_size`). Cost: len(ks)
-decodes per prompt, and one forward of the verifier and the draft over each greedy output.
-`per_prompt.json`: each prompt's tokens and verifier passes per method and k, in prompt order, to
-break tau down by kind of prompt or compare two drafts on the same prompts.
+prompts); plus the training-time simulated tau for comparison, and the draft's teacher-forced
+first-token accuracy on the greedy outputs (`draft_token_accuracy`: what validation's step-0
+accuracy would be on these prompts, counted per token rather than per verifier pass) and its
+ceiling, the share of those tokens the draft vocabulary holds (`draft_vocab_coverage`: if low,
+raise `vocab.draft_vocab_size`). `per_prompt.json`: each prompt's tokens and verifier passes per
+method and k, in prompt order, to break tau down by kind of prompt or compare two drafts on the
+same prompts. Cost: len(ks) decodes per prompt, and one forward of the verifier and the draft
+over each greedy output.
 
 Backend `vllm` instead reads the same figures for the draft from a vLLM server that serves it
 (`eagle3.served_acceptance`), at the server's k, without the baselines.

@@ -196,7 +196,7 @@ def eval_row(evaluation: dict, baseline: dict | None) -> dict:
         **{f"{r['method']}_k{r['k']}": round(r["tau"], 3) for r in evaluation["results"]},
         **{f"{r['method']}_k{r['k']}_se": round(r["tau_standard_error"], 3) for r in evaluation["results"]
            if r.get("tau_standard_error") is not None},
-        **{f"eagle3_k{g['k']}_gain": round(g["gain"], 3) for g in evaluation.get("gains_over_ngram") or []},
+        **{f"eagle3_k{g['k']}_gain": round(g["gain"], 3) for g in evaluation.get("gains_over_ngram") or [] if g["gain"] is not None},
         **{f"eagle3_k{g['k']}_gain_se": round(g["standard_error"], 3) for g in evaluation.get("gains_over_ngram") or []
            if g["standard_error"] is not None},
         "eagle3_k3_accepted_by_position": [round(a, 3) for r in evaluation["results"]
@@ -207,22 +207,24 @@ def eval_row(evaluation: dict, baseline: dict | None) -> dict:
     }
 
 
-def by_category(evaluation: dict, prompts: Path, k: int = 3) -> dict | None:
+def by_category(evaluation: dict, prompts: Path, store: Path, k: int = 3) -> dict | None:
     """Per `category` of the prompts (MT-bench's eight): tau of the draft and of n-gram at k, and
     the draft's gain with its standard error paired over the category's prompts. None where the
     prompts have no category or the evaluation kept no per-prompt counts."""
-    from eagle3.baseline import gain_over, tau_from_counts
-    from eagle3.evaluate import EvalManifest
+    from eagle3.baseline import gain_over, read_counts, tau_from_counts
+    from eagle3.store import ArtifactStore
 
-    manifest = EvalManifest.model_validate(evaluation)
-    draft, ngram = manifest.per_prompt_counts("eagle3", k), manifest.per_prompt_counts("ngram", k)
-    categories = [json.loads(line).get("category") for line in _lines(prompts)[: manifest.num_prompts]]
+    artifact = ArtifactStore(store).artifact_dir(evaluation["digest"])  # not the manifest's path: stores get copied
+    draft, ngram = read_counts(artifact, "eagle3", k), read_counts(artifact, "ngram", k)
+    categories = [json.loads(line).get("category") for line in _lines(prompts)[: evaluation["num_prompts"]]]
     if draft is None or ngram is None or None in categories:
         return None
     rows = {}
     for category in dict.fromkeys(categories):
         ours = [i for i, c in enumerate(categories) if c == category]
         gain, error = gain_over([draft[i] for i in ours], [ngram[i] for i in ours])
+        if gain is None:  # no verifier pass: every answer one token long
+            continue
         rows[category] = {"prompts": len(ours), f"eagle3_k{k}": round(tau_from_counts([draft[i] for i in ours]), 3),
                           f"ngram_k{k}": round(tau_from_counts([ngram[i] for i in ours]), 3), f"eagle3_k{k}_gain": round(gain, 3),
                           f"eagle3_k{k}_gain_se": None if error is None else round(error, 3)}
@@ -316,7 +318,7 @@ def main() -> None:
             continue
         first_run = first_run or run  # the first run computed the steps every eval set shares
         rows[name] = eval_row(run["evaluation"], run.get("baseline"))
-        if categories := by_category(run["evaluation"], prompts):
+        if categories := by_category(run["evaluation"], prompts, store):
             rows[name]["by_category"] = categories
         summary = summarize(args, extra, first_run, rows)
         if args.json:

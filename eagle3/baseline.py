@@ -8,8 +8,8 @@ decoding settings runs only the draft's decodes. The key holds the device type (
 decodes run on, since the speeds are compared with the draft's; `measured_on` names the device.
 
 Output `reference.json`: the greedy tokens of each prompt, in order; `per_prompt.json`: each
-prompt's n-gram tokens and verifier passes at each k, for the draft's gain measured on the same
-prompts (`gain_over`).
+prompt's n-gram counts at each k as tau takes them (tokens: accepted draft tokens plus one per
+verifier pass; passes), for the draft's gain measured on the same prompts (`gain_over`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from eagle3.verifier import VerifierManifest, eos_token_ids, load_text_model, lo
 
 __all__ = [
     "BaselineManifest", "DecodingModel", "decode_summary", "device_name", "gain_over", "measure_baselines", "per_prompt_counts",
-    "read_prompts", "tau_from_counts", "tau_standard_error",
+    "read_counts", "read_prompts", "tau_from_counts", "tau_standard_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -55,10 +55,17 @@ class BaselineManifest(ArtifactManifest):
         """The verifier's greedy tokens for each prompt."""
         return json.loads((self.path / REFERENCE).read_text())
 
-    def ngram_counts(self, k: int) -> list[tuple[int, int]] | None:
-        """Each prompt's (tokens, verifier passes) with n-gram drafting at k (None: k not measured)."""
-        counts = json.loads((self.path / PER_PROMPT).read_text()).get(str(k))
-        return None if counts is None else [tuple(c) for c in counts]
+    def counts(self, method: str, k: int) -> list[tuple[int, int]] | None:
+        """Each prompt's (tokens, verifier passes) with `method` ('ngram') at k (None: not measured)."""
+        return read_counts(self.path, method, k)
+
+
+def read_counts(artifact: Path, method: str, k: int) -> list[tuple[int, int]] | None:
+    """Each prompt's (tokens, verifier passes) from an artifact's `per_prompt.json` (None: no such
+    file, method or k)."""
+    path = artifact / PER_PROMPT
+    counts = json.loads(path.read_text()).get(method, {}).get(str(k)) if path.exists() else None
+    return None if counts is None else [tuple(c) for c in counts]
 
 
 def read_prompts(path: Path, limit: int) -> list[str]:
@@ -127,13 +134,20 @@ def tau_standard_error(runs: list[DecodeStats]) -> float | None:
     return _standard_error(_influences(counts))
 
 
-def gain_over(counts: list[tuple[int, int]], baseline: list[tuple[int, int]]) -> tuple[float, float | None]:
+def gain_over(counts: list[tuple[int, int]], baseline: list[tuple[int, int]]) -> tuple[float | None, float | None]:
     """tau of one drafter minus tau of another decoding the same prompts (per prompt: tokens,
     passes), and its standard error over prompts. Paired: a prompt both find easy lifts both taus,
     so the difference's error is usually smaller than the two errors combined as if independent.
-    None with fewer than two prompts."""
+    The error is None with fewer than two prompts; both are None where either made no verifier
+    pass (every answer one token long).
+
+    Raises:
+        ValueError: the two are of different numbers of prompts.
+    """
     if len(counts) != len(baseline):
         raise ValueError(f"{len(counts)} prompts against a baseline of {len(baseline)}")
+    if not all(sum(p for _, p in c) for c in (counts, baseline)):
+        return None, None
     gain = tau_from_counts(counts) - tau_from_counts(baseline)
     if len(counts) < 2:
         return gain, None
@@ -182,7 +196,7 @@ def measure_baselines(
         if mismatches:
             logger.warning("%d n-gram decodes differ from plain greedy decoding (numerical ties?)", mismatches)
         (work / REFERENCE).write_text(json.dumps([r.tokens for r in references]))
-        (work / PER_PROMPT).write_text(json.dumps({str(k): per_prompt_counts(runs) for k, runs in ngram.items()}))
+        (work / PER_PROMPT).write_text(json.dumps({"ngram": {k: per_prompt_counts(runs) for k, runs in ngram.items()}}))
         num_tokens = sum(len(r.tokens) for r in references)
         return store.publish(
             work,

@@ -12,7 +12,7 @@ import sys
 
 from eagle3.config import ConfigError, load_config
 
-__all__ = ["main"]
+__all__ = ["main", "set_prefect_defaults"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     gains = {g["k"]: g for g in evaluation.gains_over_ngram or []}
     for r in evaluation.results:
         line = f"  {r['method']:>6} k={r['k']}: tau {r['tau']:.3f}{_error(r['tau_standard_error'])}"
-        if r["method"] == "eagle3" and (gain := gains.get(r["k"])):
+        if r["method"] == "eagle3" and (gain := gains.get(r["k"])) and gain["gain"] is not None:
             line += f", {gain['gain']:+.3f} over n-gram{_error(gain['standard_error'])}"
         print(line)
     if evaluation.draft_token_accuracy is not None:

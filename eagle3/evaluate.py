@@ -13,13 +13,14 @@ prompts); plus the training-time simulated tau for comparison, and the draft's t
 first-token accuracy on the greedy outputs (`draft_token_accuracy`: what validation's step-0
 accuracy would be on these prompts, counted per token rather than per verifier pass) and its
 ceiling, the share of those tokens the draft vocabulary holds (`draft_vocab_coverage`: if low,
-raise `vocab.draft_vocab_size`). `per_prompt.json`: each prompt's tokens and verifier passes per
-method and k, in prompt order, to break tau down by kind of prompt or compare two drafts on the
-same prompts. Cost: len(ks) decodes per prompt, and one forward of the verifier and the draft
-over each greedy output.
+raise `vocab.draft_vocab_size`). `per_prompt.json`: each prompt's counts per method and k as tau
+takes them (tokens: accepted draft tokens plus one per verifier pass; passes), in prompt order,
+to break tau down by kind of prompt or compare two drafts on the same prompts. Cost: len(ks)
+decodes per prompt, and one forward of the verifier and the draft over each greedy output.
 
 Backend `vllm` instead reads the same figures for the draft from a vLLM server that serves it
-(`eagle3.served_acceptance`), at the server's k, without the baselines.
+(`eagle3.served_acceptance`), at the server's k, without the baselines (so without the gain over
+n-gram and per-prompt counts).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tqdm import tqdm
 
 from eagle3 import baseline, endpoint, served_acceptance, speculative
 from eagle3.baseline import (
-    PER_PROMPT, BaselineManifest, DecodingModel, decode_summary, device_name, gain_over, per_prompt_counts, read_prompts,
+    PER_PROMPT, BaselineManifest, DecodingModel, decode_summary, device_name, gain_over, per_prompt_counts, read_counts, read_prompts,
 )
 from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
@@ -65,11 +66,9 @@ class EvalManifest(ArtifactManifest):
     measured_on: str | None = None  # the device of the draft's decodes (None: backend 'vllm')
     gains_over_ngram: list[dict] | None = None  # per k: draft tau minus n-gram tau, paired standard error (None: backend 'vllm')
 
-    def per_prompt_counts(self, method: str, k: int) -> list[tuple[int, int]] | None:
+    def counts(self, method: str, k: int) -> list[tuple[int, int]] | None:
         """Each prompt's (tokens, verifier passes) with `method` at k (None: not measured, or backend 'vllm')."""
-        path = self.path / PER_PROMPT
-        counts = json.loads(path.read_text()).get(method, {}).get(str(k)) if path.exists() else None
-        return None if counts is None else [tuple(c) for c in counts]
+        return read_counts(self.path, method, k)
 
 
 def eval_prompts_source(cfg: EvalConfig) -> Path:
@@ -133,7 +132,7 @@ def _measure_by_own_decoding(
     if mismatches:
         logger.warning("%d speculative decodes differ from plain greedy decoding (numerical ties?)", mismatches)
     draft_counts = {k: per_prompt_counts(r) for k, r in runs.items()}
-    ngram_counts = {k: counts for k in runs if (counts := baselines.ngram_counts(k)) is not None}
+    ngram_counts = {k: counts for k in runs if (counts := baselines.counts("ngram", k)) is not None}
     return _Measured(
         results=[decode_summary("eagle3", k, r) for k, r in runs.items()] + baselines.results,
         num_tokens=baselines.num_tokens,

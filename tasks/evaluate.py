@@ -46,7 +46,7 @@ def evaluate_task(
            else f"from the spec-decode counters of {cfg.endpoint.base_url}"),
     )
     gains = {f"gain_over_ngram_k{g['k']}": f"{g['gain']:+.3f}" + ("" if g["standard_error"] is None else f" (SE {g['standard_error']:.3f})")
-             for g in manifest.gains_over_ngram or []}
+             for g in manifest.gains_over_ngram or [] if g["gain"] is not None}
     publish_step_report(
         manifest, {"num_prompts": manifest.num_prompts, "num_tokens": manifest.num_tokens, "mismatches": manifest.mismatches, **gains}
     )

@@ -210,9 +210,9 @@ def test_baselines_hold_the_verifiers_plain_greedy_output_of_each_chat_templated
     assert [(r["method"], r["k"]) for r in baselines.results] == [("ngram", 2), ("ngram", 4)]
     assert baselines.mismatches == 0 and baselines.measured_on.startswith("cpu")
     for row in baselines.results:  # the per-prompt counts kept for paired gains add up to the row
-        counts = baselines.ngram_counts(row["k"])
+        counts = baselines.counts("ngram", row["k"])
         assert len(counts) == 2 and tau_from_counts(counts) == pytest.approx(row["tau"])
-    assert baselines.ngram_counts(3) is None  # k not measured
+    assert baselines.counts("ngram", 3) is None  # k not measured
 
 
 def _decoded(*accepted_per_prompt: list[int]) -> list[DecodeStats]:
@@ -253,6 +253,7 @@ def test_the_gain_over_a_baseline_is_paired_over_prompts():
     assert gain_over(draft, ngram) == pytest.approx((1.5, 0.5))
     assert (tau_standard_error(draft_runs) ** 2 + tau_standard_error(ngram_runs) ** 2) ** 0.5 == pytest.approx(1.25**0.5)
     assert gain_over([(4, 2)], [(4, 4)]) == (1.0, None)  # one prompt: no spread to measure
+    assert gain_over([(1, 0), (1, 0)], [(1, 0), (1, 0)]) == (None, None)  # one-token answers: no verifier pass
     with pytest.raises(ValueError, match="2 prompts against a baseline of 1"):
         gain_over(draft, [(4, 4)])
 
@@ -286,9 +287,9 @@ def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported,
         assert r["tokens"] == baselines.num_tokens  # every decode is the greedy output
     taus = {(r["method"], r["k"]): r["tau"] for r in manifest.results}
     for (method, k), tau in taus.items():  # each prompt's counts, kept to break tau down, add up to the row
-        counts = manifest.per_prompt_counts(method, k)
+        counts = manifest.counts(method, k)
         assert len(counts) == 2 and tau_from_counts(counts) == pytest.approx(tau)
-    assert manifest.per_prompt_counts("eagle3", 3) is None  # k not measured
+    assert manifest.counts("eagle3", 3) is None  # k not measured
     assert [g["k"] for g in manifest.gains_over_ngram] == [2, 4]
     for g in manifest.gains_over_ngram:
         assert g["gain"] == pytest.approx(taus["eagle3", g["k"]] - taus["ngram", g["k"]]) and g["standard_error"] >= 0.0
@@ -375,7 +376,7 @@ def test_served_counters_give_the_acceptance_our_own_decoding_measures(served, r
     assert (row["method"], row["k"], row["tokens"]) == ("eagle3", 3, reference["tokens"])
     assert row.keys() == reference.keys() and row["tau_standard_error"] is None  # counters are totals, not per prompt
     assert served.gains_over_ngram is None and own.gains_over_ngram[0]["k"] == 3
-    assert served.per_prompt_counts("eagle3", 3) is None and len(own.per_prompt_counts("eagle3", 3)) == 4
+    assert served.counts("eagle3", 3) is None and len(own.counts("eagle3", 3)) == 4
     assert row["verifier_passes"] == reference["verifier_passes"]
     # Accepted counts may differ by a token or two over the run (seen: 54 served, 52 ours of 137 passes).
     assert row["acceptance_by_position"] == pytest.approx(reference["acceptance_by_position"], abs=0.02)

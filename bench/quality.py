@@ -211,8 +211,8 @@ def by_category(evaluation: dict, prompts: Path, store: Path, k: int = 3) -> dic
     """Per `category` of the prompts (MT-bench's eight): tau of the draft and of n-gram at k, and
     the draft's gain with its standard error paired over the category's prompts. None where the
     prompts have no category or the evaluation kept no per-prompt counts."""
-    from eagle3.baseline import gain_over, read_counts, tau_from_counts
     from eagle3.store import ArtifactStore
+    from eagle3.tau import gain_over, read_counts, tau_from_counts
 
     artifact = ArtifactStore(store).artifact_dir(evaluation["digest"])  # not the manifest's path: stores get copied
     draft, ngram = read_counts(artifact, "eagle3", k), read_counts(artifact, "ngram", k)
@@ -221,12 +221,13 @@ def by_category(evaluation: dict, prompts: Path, store: Path, k: int = 3) -> dic
         return None
     rows = {}
     for category in dict.fromkeys(categories):
-        ours = [i for i, c in enumerate(categories) if c == category]
-        gain, error = gain_over([draft[i] for i in ours], [ngram[i] for i in ours])
+        draft_counts = [d for d, c in zip(draft, categories) if c == category]
+        ngram_counts = [n for n, c in zip(ngram, categories) if c == category]
+        gain, error = gain_over(draft_counts, ngram_counts)
         if gain is None:  # no verifier pass: every answer one token long
             continue
-        rows[category] = {"prompts": len(ours), f"eagle3_k{k}": round(tau_from_counts([draft[i] for i in ours]), 3),
-                          f"ngram_k{k}": round(tau_from_counts([ngram[i] for i in ours]), 3), f"eagle3_k{k}_gain": round(gain, 3),
+        rows[category] = {"prompts": len(draft_counts), f"eagle3_k{k}": round(tau_from_counts(draft_counts), 3),
+                          f"ngram_k{k}": round(tau_from_counts(ngram_counts), 3), f"eagle3_k{k}_gain": round(gain, 3),
                           f"eagle3_k{k}_gain_se": None if error is None else round(error, 3)}
     return rows
 

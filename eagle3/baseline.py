@@ -9,7 +9,7 @@ decodes run on, since the speeds are compared with the draft's; `measured_on` na
 
 Output `reference.json`: the greedy tokens of each prompt, in order; `per_prompt.json`: each
 prompt's n-gram counts at each k as tau takes them (tokens: accepted draft tokens plus one per
-verifier pass; passes), for the draft's gain measured on the same prompts (`gain_over`).
+verifier pass; passes), for the draft's gain measured on the same prompts (`eagle3.tau.gain_over`).
 """
 
 from __future__ import annotations
@@ -22,24 +22,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle3 import prepare_dataset, speculative, verifier as verifier_module
+from eagle3 import prepare_dataset, speculative, tau, verifier as verifier_module
 from eagle3.config import EvalConfig
 from eagle3.extract_hidden_states import resolve_device
 from eagle3.isolation import NO_GPU, GpuClaim, in_process_device
 from eagle3.prepare_dataset import read_user_turns
 from eagle3.speculative import DecodeStats, NgramProposer, greedy_decode, speculative_decode
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
+from eagle3.tau import PER_PROMPT, Counts, per_prompt_counts, read_counts, tau_from_counts, tau_standard_error
 from eagle3.verifier import VerifierManifest, eos_token_ids, load_text_model, load_tokenizer
 
-__all__ = [
-    "BaselineManifest", "DecodingModel", "decode_summary", "device_name", "gain_over", "measure_baselines", "per_prompt_counts",
-    "read_counts", "read_prompts", "tau_from_counts", "tau_standard_error",
-]
+__all__ = ["BaselineManifest", "DecodingModel", "decode_summary", "device_name", "measure_baselines", "read_prompts"]
 
 logger = logging.getLogger(__name__)
-CODE_DEPENDENCIES = (speculative, prepare_dataset, verifier_module)
+CODE_DEPENDENCIES = (speculative, prepare_dataset, verifier_module, tau)
 REFERENCE = "reference.json"
-PER_PROMPT = "per_prompt.json"
 
 
 class BaselineManifest(ArtifactManifest):
@@ -55,17 +52,9 @@ class BaselineManifest(ArtifactManifest):
         """The verifier's greedy tokens for each prompt."""
         return json.loads((self.path / REFERENCE).read_text())
 
-    def counts(self, method: str, k: int) -> list[tuple[int, int]] | None:
+    def counts(self, method: str, k: int) -> Counts | None:
         """Each prompt's (tokens, verifier passes) with `method` ('ngram') at k (None: not measured)."""
         return read_counts(self.path, method, k)
-
-
-def read_counts(artifact: Path, method: str, k: int) -> list[tuple[int, int]] | None:
-    """Each prompt's (tokens, verifier passes) from an artifact's `per_prompt.json` (None: no such
-    file, method or k)."""
-    path = artifact / PER_PROMPT
-    counts = json.loads(path.read_text()).get(method, {}).get(str(k)) if path.exists() else None
-    return None if counts is None else [tuple(c) for c in counts]
 
 
 def read_prompts(path: Path, limit: int) -> list[str]:
@@ -101,69 +90,16 @@ class DecodingModel:
         return cls(model, resolved, eos_token_ids(tokenizer, model), [list(p) for p in prompts])
 
 
-def per_prompt_counts(runs: list[DecodeStats]) -> list[tuple[int, int]]:
-    """Each prompt's (tokens, verifier passes) as tau counts them: every pass yields its accepted
-    draft tokens and one of the verifier's own."""
-    return [(sum(run.accepted_per_pass) + len(run.accepted_per_pass), len(run.accepted_per_pass)) for run in runs]
-
-
-def tau_from_counts(counts: list[tuple[int, int]]) -> float:
-    """tau of per-prompt (tokens, passes): all tokens over all passes."""
-    return sum(t for t, _ in counts) / sum(p for _, p in counts)
-
-
-def _influences(counts: list[tuple[int, int]]) -> list[float]:
-    """Each prompt's first-order share of tau = sum(tokens) / sum(passes) (they sum to zero)."""
-    tau, passes = tau_from_counts(counts), sum(p for _, p in counts)
-    return [(t - tau * p) / passes for t, p in counts]
-
-
-def _standard_error(influences: list[float]) -> float:
-    n = len(influences)
-    return (n / (n - 1) * sum(x * x for x in influences)) ** 0.5
-
-
-def tau_standard_error(runs: list[DecodeStats]) -> float | None:
-    """Standard error of tau over prompts: tau is a ratio of sums (tokens over passes), linearised,
-    with the prompt as the sampling unit, since the passes of one answer are not independent.
-    tau +- 2 x this is roughly a 95% interval for tau over prompts like these. None with fewer
-    than two prompts or no passes."""
-    counts = per_prompt_counts(runs)
-    if len(counts) < 2 or sum(p for _, p in counts) == 0:
-        return None
-    return _standard_error(_influences(counts))
-
-
-def gain_over(counts: list[tuple[int, int]], baseline: list[tuple[int, int]]) -> tuple[float | None, float | None]:
-    """tau of one drafter minus tau of another decoding the same prompts (per prompt: tokens,
-    passes), and its standard error over prompts. Paired: a prompt both find easy lifts both taus,
-    so the difference's error is usually smaller than the two errors combined as if independent.
-    The error is None with fewer than two prompts; both are None where either made no verifier
-    pass (every answer one token long).
-
-    Raises:
-        ValueError: the two are of different numbers of prompts.
-    """
-    if len(counts) != len(baseline):
-        raise ValueError(f"{len(counts)} prompts against a baseline of {len(baseline)}")
-    if not all(sum(p for _, p in c) for c in (counts, baseline)):
-        return None, None
-    gain = tau_from_counts(counts) - tau_from_counts(baseline)
-    if len(counts) < 2:
-        return gain, None
-    return gain, _standard_error([a - b for a, b in zip(_influences(counts), _influences(baseline))])
-
-
 def decode_summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
     """tau (tokens per verifier pass) and its standard error over prompts, acceptance by draft
     position, speed and counts of `runs` (one per prompt)."""
     passes = [a for run in runs for a in run.accepted_per_pass]
-    tokens = sum(len(run.tokens) for run in runs)
+    tokens, counts = sum(len(run.tokens) for run in runs), per_prompt_counts(runs)
     return {
         "method": method,
         "k": k,
-        "tau": (sum(passes) + len(passes)) / max(len(passes), 1),
-        "tau_standard_error": tau_standard_error(runs),
+        "tau": tau_from_counts(counts),
+        "tau_standard_error": tau_standard_error(counts),
         "acceptance_by_position": [sum(a >= i for a in passes) / max(len(passes), 1) for i in range(1, k + 1)],
         "tokens_per_s": tokens / sum(run.seconds for run in runs),
         "verifier_passes": len(passes),

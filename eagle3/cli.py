@@ -11,6 +11,7 @@ import os
 import sys
 
 from eagle3.config import ConfigError, load_config
+from eagle3.tau import with_error
 
 __all__ = ["main", "set_prefect_defaults"]
 
@@ -117,10 +118,6 @@ def _gpu_limit(gpus: int | None) -> int:
     return 0
 
 
-def _error(standard_error: float | None) -> str:
-    return "" if standard_error is None else f" (standard error {standard_error:.3f} over prompts)"
-
-
 def set_prefect_defaults() -> None:
     """Defaults for every entry point that runs the flow (the environment still wins): a temporary
     server that may start slowly on two cores, no telemetry (offline GPU hosts log its failures,
@@ -161,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measured acceptance length on {evaluation.num_prompts} prompts ({evaluation.path / 'report.json'}):")
     gains = {g["k"]: g for g in evaluation.gains_over_ngram or []}
     for r in evaluation.results:
-        line = f"  {r['method']:>6} k={r['k']}: tau {r['tau']:.3f}{_error(r['tau_standard_error'])}"
+        line = f"  {r['method']:>6} k={r['k']}: tau {with_error(r['tau'], r['tau_standard_error'])}"
         if r["method"] == "eagle3" and (gain := gains.get(r["k"])) and gain["gain"] is not None:
-            line += f", {gain['gain']:+.3f} over n-gram{_error(gain['standard_error'])}"
+            line += f", {with_error(gain['gain'], gain['standard_error'], signed=True)} over n-gram"
         print(line)
     if evaluation.draft_token_accuracy is not None:
         print(f"draft's first-token accuracy on these outputs, per token as in validation: {evaluation.draft_token_accuracy:.3f}")

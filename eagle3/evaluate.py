@@ -33,10 +33,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle3 import baseline, endpoint, served_acceptance, speculative
-from eagle3.baseline import (
-    PER_PROMPT, BaselineManifest, DecodingModel, decode_summary, device_name, gain_over, per_prompt_counts, read_counts, read_prompts,
-)
+from eagle3 import baseline, endpoint, served_acceptance, speculative, tau
+from eagle3.baseline import BaselineManifest, DecodingModel, decode_summary, device_name, read_prompts
 from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStateCapture, HiddenStatesManifest
@@ -44,13 +42,14 @@ from eagle3.isolation import NO_GPU, GpuClaim, in_process_device
 from eagle3.served_acceptance import measure_served_acceptance
 from eagle3.speculative import Eagle3Proposer, draft_token_accuracy, speculative_decode
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
+from eagle3.tau import PER_PROMPT, Counts, gain_over, per_prompt_counts, read_counts
 from eagle3.verifier import VerifierManifest
 
 __all__ = ["EvalManifest", "eval_prompts_source", "evaluate", "load_draft"]
 
 logger = logging.getLogger(__name__)
 # What else computes the numbers: a change to any of them re-measures.
-CODE_DEPENDENCIES = (speculative, served_acceptance, endpoint, baseline)
+CODE_DEPENDENCIES = (speculative, served_acceptance, endpoint, baseline, tau)
 
 
 class EvalManifest(ArtifactManifest):
@@ -66,7 +65,7 @@ class EvalManifest(ArtifactManifest):
     measured_on: str | None = None  # the device of the draft's decodes (None: backend 'vllm')
     gains_over_ngram: list[dict] | None = None  # per k: draft tau minus n-gram tau, paired standard error (None: backend 'vllm')
 
-    def counts(self, method: str, k: int) -> list[tuple[int, int]] | None:
+    def counts(self, method: str, k: int) -> Counts | None:
         """Each prompt's (tokens, verifier passes) with `method` at k (None: not measured, or backend 'vllm')."""
         return read_counts(self.path, method, k)
 
@@ -102,7 +101,7 @@ class _Measured:
     per_prompt: dict[str, dict[int, list]] | None = None  # method -> k -> (tokens, passes) of each prompt
 
 
-def _gain_row(k: int, draft: list[tuple[int, int]], ngram: list[tuple[int, int]]) -> dict:
+def _gain_row(k: int, draft: Counts, ngram: Counts) -> dict:
     gain, error = gain_over(draft, ngram)
     return {"k": k, "gain": gain, "standard_error": error}
 

@@ -12,6 +12,7 @@ from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStatesManifest
 from eagle3.store import step_provenance
+from eagle3.tau import with_error
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
 from tasks.gpu import claim_gpus
@@ -45,7 +46,7 @@ def evaluate_task(
            if baselines is not None
            else f"from the spec-decode counters of {cfg.endpoint.base_url}"),
     )
-    gains = {f"gain_over_ngram_k{g['k']}": f"{g['gain']:+.3f}" + ("" if g["standard_error"] is None else f" (SE {g['standard_error']:.3f})")
+    gains = {f"gain_over_ngram_k{g['k']}": with_error(g["gain"], g["standard_error"], signed=True)
              for g in manifest.gains_over_ngram or [] if g["gain"] is not None}
     publish_step_report(
         manifest, {"num_prompts": manifest.num_prompts, "num_tokens": manifest.num_tokens, "mismatches": manifest.mismatches, **gains}

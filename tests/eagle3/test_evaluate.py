@@ -7,15 +7,16 @@ import torch
 
 from conftest import CLAIM_WAIT_S, SAMPLE, run_while_another_run_holds_the_step, write_jsonl
 from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
-from eagle3.baseline import decode_summary, gain_over, measure_baselines, per_prompt_counts, read_prompts, tau_from_counts, tau_standard_error
+from eagle3.baseline import measure_baselines, read_prompts
 from eagle3.evaluate import EvalManifest, evaluate, load_draft
 from eagle3.endpoint import EndpointError
 from eagle3.export import export_checkpoint
 from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_states
 from eagle3.prepare_dataset import prepare_dataset
 from eagle3.served_acceptance import read_spec_decode_counters
-from eagle3.speculative import DecodeStats, Eagle3Proposer, NgramProposer, draft_token_accuracy, greedy_decode, speculative_decode
+from eagle3.speculative import Eagle3Proposer, NgramProposer, draft_token_accuracy, greedy_decode, speculative_decode
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
+from eagle3.tau import tau_from_counts
 from eagle3.train import train_draft
 from eagle3.verifier import eos_token_ids, load_text_model, load_tokenizer, resolve_verifier
 from eagle3.vocab_mapping import build_vocab_mapping
@@ -213,60 +214,6 @@ def test_baselines_hold_the_verifiers_plain_greedy_output_of_each_chat_templated
         counts = baselines.counts("ngram", row["k"])
         assert len(counts) == 2 and tau_from_counts(counts) == pytest.approx(row["tau"])
     assert baselines.counts("ngram", 3) is None  # k not measured
-
-
-def _decoded(*accepted_per_prompt: list[int]) -> list[DecodeStats]:
-    return [DecodeStats(tokens=[0] * (sum(a) + len(a)), verifier_passes=len(a), accepted_per_pass=list(a), seconds=1.0)
-            for a in accepted_per_prompt]
-
-
-def test_tau_standard_error_is_over_prompts():
-    # 6 tokens in 2 passes and 4 in 4: tau 10/6, residuals +-8/3, sqrt(2 * 2 * (8/3)^2) / 6 = 8/9
-    assert tau_standard_error(_decoded([2, 2], [0, 0, 0, 0])) == pytest.approx(8 / 9)
-    assert tau_standard_error(_decoded([1, 0], [0, 1, 1, 0, 1, 0])) == 0.0  # every prompt at tau 1.5
-    assert tau_standard_error(_decoded([3, 3, 1])) is None  # one prompt: no spread to measure
-    assert decode_summary("eagle3", 3, _decoded([2, 2], [0, 0, 0, 0]))["tau_standard_error"] == pytest.approx(8 / 9)
-
-
-def test_tau_standard_error_agrees_with_a_leave_one_prompt_out_jackknife():
-    runs = _decoded([3, 3, 0, 1], [0, 0, 1], [2, 3, 3, 3, 1], [0, 1, 0, 0, 0, 2], [1, 1], [3, 0, 0, 2, 3, 3, 1], [0, 0, 0, 1], [2, 2, 3])
-
-    def tau(subset):
-        return sum(len(r.tokens) for r in subset) / sum(r.verifier_passes for r in subset)
-
-    leave_one_out = [tau(runs[:i] + runs[i + 1:]) for i in range(len(runs))]
-    mean = sum(leave_one_out) / len(runs)
-    jackknife = ((len(runs) - 1) / len(runs) * sum((x - mean) ** 2 for x in leave_one_out)) ** 0.5
-
-    assert tau_standard_error(runs) == pytest.approx(jackknife, rel=0.05)
-
-
-def test_the_gain_over_a_baseline_is_paired_over_prompts():
-    assert gain_over([(5, 2), (3, 3)], [(5, 2), (3, 3)]) == (0.0, 0.0)
-    assert gain_over([(6, 2), (3, 1)], [(6, 4), (3, 2)]) == (1.5, 0.0)  # tau 3 against 1.5 on every prompt
-    # Prompt 1 easy for both (tau 4 and 2), prompt 2 hard for both (2 and 1): tau 12/4 - 12/8 = 1.5.
-    # Influences +-1/2 and +-1/4, differences +-1/4: sqrt(2 * 2 / 16) = 1/2, against
-    # sqrt(1 + 1/4) = 1.118 for the two standard errors combined as if independent.
-    draft_runs, ngram_runs = _decoded([3, 3], [1, 1]), _decoded([1, 1, 1, 1], [0, 0, 0, 0])
-    draft, ngram = per_prompt_counts(draft_runs), per_prompt_counts(ngram_runs)
-    assert (draft, ngram) == ([(8, 2), (4, 2)], [(8, 4), (4, 4)])
-    assert gain_over(draft, ngram) == pytest.approx((1.5, 0.5))
-    assert (tau_standard_error(draft_runs) ** 2 + tau_standard_error(ngram_runs) ** 2) ** 0.5 == pytest.approx(1.25**0.5)
-    assert gain_over([(4, 2)], [(4, 4)]) == (1.0, None)  # one prompt: no spread to measure
-    assert gain_over([(1, 0), (1, 0)], [(1, 0), (1, 0)]) == (None, None)  # one-token answers: no verifier pass
-    with pytest.raises(ValueError, match="2 prompts against a baseline of 1"):
-        gain_over(draft, [(4, 4)])
-
-
-def test_the_gains_standard_error_agrees_with_a_leave_one_prompt_out_jackknife():
-    draft = per_prompt_counts(_decoded([3, 3, 0, 1], [0, 0, 1], [2, 3, 3, 3, 1], [0, 1, 0, 0, 0, 2], [1, 1], [3, 0, 0, 2, 3, 3, 1]))
-    ngram = per_prompt_counts(_decoded([1, 0, 0, 0, 2, 0], [0, 0, 0], [1, 2, 0, 0, 0, 3, 0], [0, 0, 0, 0, 0, 0, 1], [0, 0, 1], [2, 0, 0, 0, 0, 0, 1, 1]))
-    n = len(draft)
-    leave_one_out = [gain_over(draft[:i] + draft[i + 1:], ngram[:i] + ngram[i + 1:])[0] for i in range(n)]
-    mean = sum(leave_one_out) / n
-    jackknife = ((n - 1) / n * sum((x - mean) ** 2 for x in leave_one_out)) ** 0.5
-
-    assert gain_over(draft, ngram)[1] == pytest.approx(jackknife, rel=0.1)
 
 
 def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported, two_prompts):

@@ -258,6 +258,13 @@ class PromotionConfig(_Group):
         "(same verifier, eval prompts, k, max_new_tokens and prompt count) by more than this; "
         "0: any improvement, a tie keeps the earlier one.",
     )
+    min_standard_errors: float = Field(
+        0.0,
+        ge=0,
+        description="And by more than this many standard errors of the difference, paired over the eval prompts "
+        "(where both evaluations kept per-prompt counts; backend 'vllm' keeps none). 2: roughly, a gain outside "
+        "the 95% interval of no gain, rarely the luck of the prompt sample. 0: tau alone decides.",
+    )
 
 
 class PipelineConfig(BaseModel):

@@ -4,6 +4,9 @@ Measured tau is comparable only between evaluations of the same verifier, on the
 the same settings that change tau (k, max_new_tokens, number of prompts, how and in what precision
 it was measured): that is the comparison key. A run's EAGLE-3 tau at k is compared with the best tau an earlier run promoted under the same
 key, and promoted when it is higher by more than `min_improvement`; the first under a key is promoted.
+Both evaluations decoded the same prompts, so where both kept their per-prompt counts the record
+holds the standard error of the difference, paired over prompts: a gain within about two of them
+may be the luck of the prompt sample, and `min_standard_errors` can require more.
 
 The decision depends on history, so it is no artifact and never cached. Each decision is appended
 to the store as `promotions/<time>-<run id>.json` (atomic write, under a lock so two concurrent
@@ -23,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eagle3.config import ConfigError, PromotionConfig
 from eagle3.store import MANIFEST, ArtifactError, ArtifactStore, atomic_write_text
+from eagle3.tau import gain_over, read_counts, with_error
 
 if TYPE_CHECKING:  # evaluate imports torch and transformers: `eagle3 promoted` needs neither
     from eagle3.evaluate import EvalManifest
@@ -62,6 +66,10 @@ class PromotionRecord(BaseModel):
     best_earlier_run_id: str | None = None
     best_earlier_checkpoint: str | None = None
     best_earlier_tau: float | None = None
+    min_standard_errors: float = 0.0  # the bar in standard errors, where gain_standard_error is measured
+    gain_standard_error: float | None = Field(
+        None, description="standard error of tau minus best_earlier_tau, paired over the prompts (None: no best "
+        "earlier, or either evaluation kept no per-prompt counts)")
 
     def summary(self) -> str:
         measured = f"tau {self.tau:.3f} at k={self.key.k} on {self.key.num_prompts} prompts"
@@ -69,8 +77,12 @@ class PromotionRecord(BaseModel):
             return f"promoted: {measured}; first checkpoint evaluated on this verifier and eval set"
         verdict = "promoted" if self.promoted else "not promoted"
         beats = "beats" if self.promoted else "does not beat"
+        bar = f"more than {self.min_improvement}"
+        if self.min_standard_errors and self.gain_standard_error is not None:
+            bar += f" and {self.min_standard_errors} standard errors"
+        gain = with_error(self.tau - self.best_earlier_tau, self.gain_standard_error, signed=True)
         return (f"{verdict}: {measured} {beats} the best earlier promoted tau {self.best_earlier_tau:.3f} "
-                f"(checkpoint {self.best_earlier_checkpoint[:12]}) by more than {self.min_improvement}")
+                f"(checkpoint {self.best_earlier_checkpoint[:12]}) by {bar}: {gain}")
 
 
 def _comparison(evaluation: EvalManifest, k: int | None) -> tuple[ComparisonKey, float]:
@@ -122,11 +134,26 @@ def promoted_checkpoints(store: ArtifactStore) -> list[PromotionRecord]:
     return sorted((best_promoted(records, key) for key in keys), key=lambda r: r.recorded_at)
 
 
+def _beats(gain: float, error: float | None, cfg: PromotionConfig) -> bool:
+    """Whether a gain over the best earlier tau clears both bars (the error's only where measured)."""
+    return gain > cfg.min_improvement and (error is None or gain > cfg.min_standard_errors * error)
+
+
+def _paired_error(evaluation: EvalManifest, best: PromotionRecord, store: ArtifactStore) -> float | None:
+    """Standard error of the evaluation's tau minus the best earlier one's, paired over their prompts
+    (None: either kept no per-prompt counts, e.g. backend 'vllm', or the earlier one was deleted)."""
+    ours = read_counts(evaluation.path, "eagle3", best.key.k)
+    theirs = read_counts(store.artifact_dir(best.evaluation), "eagle3", best.key.k)
+    if ours is None or theirs is None or len(ours) != len(theirs):
+        return None
+    return gain_over(ours, theirs)[1]
+
+
 def promote(cfg: PromotionConfig, evaluation: EvalManifest, store: ArtifactStore, run_id: str) -> PromotionRecord:
     """Decide whether the evaluated checkpoint is promoted, and record the decision in the store.
 
     Args:
-        cfg: which k decides and by how much tau must improve.
+        cfg: which k decides and by how much tau must improve, in tau and in standard errors.
         evaluation: the run's evaluation; its parents name the checkpoint, verifier and prompts.
         store: the artifact store holding earlier decisions.
         run_id: the flow run recorded with the decision.
@@ -145,6 +172,7 @@ def promote(cfg: PromotionConfig, evaluation: EvalManifest, store: ArtifactStore
     with open(root / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         best = best_promoted(read_promotions(store), key, other_than=checkpoint)
+        error = _paired_error(evaluation, best, store) if best else None
         now = datetime.now(timezone.utc)
         record = PromotionRecord(
             run_id=run_id,
@@ -156,10 +184,12 @@ def promote(cfg: PromotionConfig, evaluation: EvalManifest, store: ArtifactStore
             tau=tau,
             tau_sim=evaluation.tau_sim,
             min_improvement=cfg.min_improvement,
-            promoted=best is None or tau > best.tau + cfg.min_improvement,
+            promoted=best is None or _beats(tau - best.tau, error, cfg),
             best_earlier_run_id=best.run_id if best else None,
             best_earlier_checkpoint=best.checkpoint if best else None,
             best_earlier_tau=best.tau if best else None,
+            min_standard_errors=cfg.min_standard_errors,
+            gain_standard_error=error,
         )
         atomic_write_text(root / f"{now:%Y%m%dT%H%M%S%f}-{run_id}.json", record.model_dump_json(indent=2))
     return record

@@ -24,7 +24,8 @@ def _markdown(record: step.PromotionRecord) -> str:
         f"### {'Promoted' if record.promoted else 'Not promoted'}\n\n{record.summary()}\n\n"
         f"| | checkpoint | measured tau (k={key.k}) | tau_sim | run |\n| --- | --- | --- | --- | --- |\n" + "\n".join(rows) +
         f"\n\nCompared on: verifier `{key.verifier[:16]}`, eval prompts `{key.prompts[:16]}`, k={key.k}, "
-        f"max_new_tokens={key.max_new_tokens}, {key.num_prompts} prompts; min improvement {record.min_improvement}.\n\n"
+        f"max_new_tokens={key.max_new_tokens}, {key.num_prompts} prompts; min improvement {record.min_improvement}, "
+        f"min standard errors {record.min_standard_errors}.\n\n"
         f"Checkpoint: `{record.checkpoint_path}`\n"
     )
 

@@ -125,20 +125,24 @@ def run_while_another_run_holds_the_step(store, manifest_type, provenance, step)
     return run
 
 
-def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str], manifest_type=None, **fields):
-    """A one-file artifact with the given parents and manifest fields: lineage, gc and promotion
-    tests need the graph and the manifest, not the payload."""
+def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str], manifest_type=None, files=None, **fields):
+    """A one-file artifact (plus `files`: name -> text) with the given parents and manifest fields:
+    lineage, gc and promotion tests need the graph and the manifest, not the payload."""
     from eagle3.store import ArtifactManifest
 
     with store.work_dir(kind, content) as work:
         (work / "data.txt").write_text(content)
+        for name, text in (files or {}).items():
+            (work / name).write_text(text)
         return store.publish(work, (manifest_type or ArtifactManifest)(kind=kind, path=work, parents=parents, **fields))
 
 
 def publish_evaluation(store, name: str, taus: dict[int, float], verifier="a" * 64, prompts="b" * 64, max_new_tokens=64, num_prompts=4,
-                       draft="d" * 64, **measured):
-    """Checkpoint `name` (of `draft`) and an evaluation of it in `store`, shaped as the evaluate step publishes them."""
+                       draft="d" * 64, counts=None, **measured):
+    """Checkpoint `name` (of `draft`) and an evaluation of it in `store`, shaped as the evaluate step
+    publishes them; `counts` (k -> each prompt's EAGLE-3 tokens and passes) go to its per_prompt.json."""
     from eagle3.evaluate import EvalManifest
+    from eagle3.tau import PER_PROMPT
 
     checkpoint = publish_text_artifact(store, "checkpoint", name, {"draft": draft})
     settings = {"prompts_path": None, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "ks": list(taus), **measured}
@@ -146,7 +150,8 @@ def publish_evaluation(store, name: str, taus: dict[int, float], verifier="a" * 
     return publish_text_artifact(
         store, "evaluation", json.dumps([name, settings, results]),
         {"checkpoint": checkpoint.digest, "hidden_states": "e" * 64, "verifier": verifier, "prompts": prompts},
-        manifest_type=EvalManifest, config={"cfg": settings}, num_prompts=num_prompts, num_tokens=num_prompts * max_new_tokens,
+        manifest_type=EvalManifest, files={PER_PROMPT: json.dumps({"eagle3": counts})} if counts else None,
+        config={"cfg": settings}, num_prompts=num_prompts, num_tokens=num_prompts * max_new_tokens,
         tau_sim=2.5, results=results, greedy_tokens_per_s=100.0, mismatches=0,
     )
 

@@ -4,11 +4,12 @@ import json
 
 import pytest
 
-from conftest import publish_evaluation, publish_text_artifact
+from conftest import publish_evaluation
 from eagle3.cli import main
 from eagle3.config import ConfigError, PromotionConfig
 from eagle3.promotion import promote, promoted_checkpoints, read_promotions
 from eagle3.store import ArtifactError, ArtifactStore
+from eagle3.tau import tau_from_counts
 
 DEFAULT = PromotionConfig()
 
@@ -59,6 +60,49 @@ def test_improvement_within_the_margin_is_not_promoted(tmp_path):
 
     assert not slightly.promoted and clearly.promoted
     assert clearly.best_earlier_tau == 2.0  # the unpromoted 2.05 is not the bar
+
+
+def _evaluated(store, name: str, counts: list[tuple[int, int]]):
+    return publish_evaluation(store, name, {3: tau_from_counts(counts)}, counts={3: counts})
+
+
+SAME_ON_EVERY_PROMPT = [(8, 4)] * 4  # tau 2 on each of the 4 prompts
+LUCKY_ON_ONE_PROMPT = [(12, 4), (6, 4), (8, 4), (8, 4)]  # tau 34/16 = 2.125, all of the gain from one prompt
+
+
+def test_the_record_holds_the_gains_standard_error_paired_over_the_prompts(tmp_path):
+    store = ArtifactStore(tmp_path)
+    promote(DEFAULT, _evaluated(store, "first", SAME_ON_EVERY_PROMPT), store, "run-1")
+
+    record = promote(DEFAULT, _evaluated(store, "second", LUCKY_ON_ONE_PROMPT), store, "run-2")
+
+    # Influences of the second (the first's are all 0): 3.5/16, -2.5/16, -0.5/16, -0.5/16;
+    # sqrt(4/3 * 19/256) = 0.3146.
+    assert record.promoted and record.gain_standard_error == pytest.approx((4 / 3 * 19 / 256) ** 0.5)
+    assert record.summary().endswith("by more than 0.0: +0.125 (SE 0.315)")
+
+
+def test_a_gain_within_the_required_standard_errors_is_not_promoted(tmp_path):
+    store = ArtifactStore(tmp_path)
+    two_errors = PromotionConfig(min_standard_errors=2)
+    promote(two_errors, _evaluated(store, "first", SAME_ON_EVERY_PROMPT), store, "run-1")
+
+    lucky = promote(two_errors, _evaluated(store, "lucky", LUCKY_ON_ONE_PROMPT), store, "run-2")
+    steady = promote(two_errors, _evaluated(store, "steady", [(9, 4)] * 4), store, "run-3")  # +0.25 on every prompt
+
+    assert not lucky.promoted and lucky.summary().endswith("by more than 0.0 and 2.0 standard errors: +0.125 (SE 0.315)")
+    assert steady.promoted and steady.gain_standard_error == 0.0 and steady.best_earlier_tau == 2.0
+
+
+def test_without_per_prompt_counts_tau_alone_decides(tmp_path):
+    store = ArtifactStore(tmp_path)
+    two_errors = PromotionConfig(min_standard_errors=2)
+    promote(two_errors, publish_evaluation(store, "first", {3: 2.0}), store, "run-1")
+
+    record = promote(two_errors, _evaluated(store, "counted", LUCKY_ON_ONE_PROMPT), store, "run-2")
+
+    assert record.promoted and record.gain_standard_error is None
+    assert record.summary().endswith("by more than 0.0: +0.125")
 
 
 @pytest.mark.parametrize("change", [

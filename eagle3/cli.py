@@ -11,7 +11,7 @@ import os
 import sys
 
 from eagle3.config import ConfigError, load_config
-from eagle3.tau import with_error
+from eagle3.figures import with_error
 
 __all__ = ["main", "set_prefect_defaults"]
 

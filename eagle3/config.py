@@ -261,9 +261,10 @@ class PromotionConfig(_Group):
     min_standard_errors: float = Field(
         0.0,
         ge=0,
-        description="And by more than this many standard errors of the difference, paired over the eval prompts "
-        "(where both evaluations kept per-prompt counts; backend 'vllm' keeps none). 2: roughly, a gain outside "
-        "the 95% interval of no gain, rarely the luck of the prompt sample. 0: tau alone decides.",
+        description="A promoted checkpoint's tau must also exceed the best earlier one's by more than this many "
+        "standard errors of the difference, paired over the eval prompts. 2: roughly, a gain outside the 95% "
+        "interval of no gain, rarely the luck of the prompt sample. 0: tau alone decides, as it does where the "
+        "error cannot be measured (backend 'vllm' keeps no per-prompt counts; the summary says so).",
     )
 
 

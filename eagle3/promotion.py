@@ -6,7 +6,9 @@ it was measured): that is the comparison key. A run's EAGLE-3 tau at k is compar
 key, and promoted when it is higher by more than `min_improvement`; the first under a key is promoted.
 Both evaluations decoded the same prompts, so where both kept their per-prompt counts the record
 holds the standard error of the difference, paired over prompts: a gain within about two of them
-may be the luck of the prompt sample, and `min_standard_errors` can require more.
+may be the luck of the prompt sample, and `min_standard_errors` can require more. Where no such
+error can be measured (backend 'vllm' keeps no per-prompt counts), tau alone decides and the
+summary says the bar was not checked.
 
 The decision depends on history, so it is no artifact and never cached. Each decision is appended
 to the store as `promotions/<time>-<run id>.json` (atomic write, under a lock so two concurrent
@@ -26,7 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eagle3.config import ConfigError, PromotionConfig
 from eagle3.store import MANIFEST, ArtifactError, ArtifactStore, atomic_write_text
-from eagle3.tau import gain_over, read_counts, with_error
+from eagle3.figures import with_error
+from eagle3.tau import gain_over, read_counts
 
 if TYPE_CHECKING:  # evaluate imports torch and transformers: `eagle3 promoted` needs neither
     from eagle3.evaluate import EvalManifest
@@ -66,10 +69,11 @@ class PromotionRecord(BaseModel):
     best_earlier_run_id: str | None = None
     best_earlier_checkpoint: str | None = None
     best_earlier_tau: float | None = None
-    min_standard_errors: float = 0.0  # the bar in standard errors, where gain_standard_error is measured
+    min_standard_errors: float = 0.0  # the bar in standard errors, applied where gain_standard_error is measured
     gain_standard_error: float | None = Field(
         None, description="standard error of tau minus best_earlier_tau, paired over the prompts (None: no best "
-        "earlier, or either evaluation kept no per-prompt counts)")
+        "earlier; either evaluation kept no per-prompt counts, as backend 'vllm' and evaluations made before they "
+        "were kept, or was deleted; fewer than two prompts; or no verifier pass)")
 
     def summary(self) -> str:
         measured = f"tau {self.tau:.3f} at k={self.key.k} on {self.key.num_prompts} prompts"
@@ -77,12 +81,14 @@ class PromotionRecord(BaseModel):
             return f"promoted: {measured}; first checkpoint evaluated on this verifier and eval set"
         verdict = "promoted" if self.promoted else "not promoted"
         beats = "beats" if self.promoted else "does not beat"
-        bar = f"more than {self.min_improvement}"
+        bar, unchecked = f"more than {self.min_improvement}", ""
         if self.min_standard_errors and self.gain_standard_error is not None:
             bar += f" and {self.min_standard_errors} standard errors"
+        elif self.min_standard_errors:
+            unchecked = f" ({self.min_standard_errors} standard errors not checked: no paired standard error measured)"
         gain = with_error(self.tau - self.best_earlier_tau, self.gain_standard_error, signed=True)
         return (f"{verdict}: {measured} {beats} the best earlier promoted tau {self.best_earlier_tau:.3f} "
-                f"(checkpoint {self.best_earlier_checkpoint[:12]}) by {bar}: {gain}")
+                f"(checkpoint {self.best_earlier_checkpoint[:12]}) by {bar}: {gain}{unchecked}")
 
 
 def _comparison(evaluation: EvalManifest, k: int | None) -> tuple[ComparisonKey, float]:
@@ -141,7 +147,7 @@ def _beats(gain: float, error: float | None, cfg: PromotionConfig) -> bool:
 
 def _paired_error(evaluation: EvalManifest, best: PromotionRecord, store: ArtifactStore) -> float | None:
     """Standard error of the evaluation's tau minus the best earlier one's, paired over their prompts
-    (None: either kept no per-prompt counts, e.g. backend 'vllm', or the earlier one was deleted)."""
+    (None: as `PromotionRecord.gain_standard_error` says)."""
     ours = read_counts(evaluation.path, "eagle3", best.key.k)
     theirs = read_counts(store.artifact_dir(best.evaluation), "eagle3", best.key.k)
     if ours is None or theirs is None or len(ours) != len(theirs):

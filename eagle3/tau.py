@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from eagle3.speculative import DecodeStats
 
-__all__ = ["PER_PROMPT", "Counts", "gain_over", "per_prompt_counts", "read_counts", "tau_from_counts", "tau_standard_error", "with_error"]
+__all__ = ["PER_PROMPT", "Counts", "gain_over", "per_prompt_counts", "read_counts", "tau_from_counts", "tau_standard_error"]
 
 PER_PROMPT = "per_prompt.json"  # in an artifact: {method: {k: [[tokens, passes], ...] in prompt order}}
 Counts = list[tuple[int, int]]  # each prompt's (tokens, verifier passes)
@@ -79,9 +79,3 @@ def gain_over(counts: Counts, baseline: Counts) -> tuple[float | None, float | N
     if len(counts) < 2:
         return gain, None
     return gain, _standard_error([a - b for a, b in zip(_influences(counts), _influences(baseline))])
-
-
-def with_error(value: float, standard_error: float | None, signed: bool = False) -> str:
-    """A measured figure as every report prints it: '2.226 (SE 0.043)', '+0.948 (SE 0.035)'."""
-    number = f"{value:+.3f}" if signed else f"{value:.3f}"
-    return number if standard_error is None else f"{number} (SE {standard_error:.3f})"

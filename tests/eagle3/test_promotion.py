@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -9,7 +12,7 @@ from eagle3.cli import main
 from eagle3.config import ConfigError, PromotionConfig
 from eagle3.promotion import promote, promoted_checkpoints, read_promotions
 from eagle3.store import ArtifactError, ArtifactStore
-from eagle3.tau import tau_from_counts
+from eagle3.tau import tau_from_counts, tau_standard_error
 
 DEFAULT = PromotionConfig()
 
@@ -72,14 +75,18 @@ LUCKY_ON_ONE_PROMPT = [(12, 4), (6, 4), (8, 4), (8, 4)]  # tau 34/16 = 2.125, al
 
 def test_the_record_holds_the_gains_standard_error_paired_over_the_prompts(tmp_path):
     store = ArtifactStore(tmp_path)
-    promote(DEFAULT, _evaluated(store, "first", SAME_ON_EVERY_PROMPT), store, "run-1")
+    first_counts, second_counts = [(10, 4), (6, 4), (8, 4), (8, 4)], [(12, 4), (7, 4), (8, 4), (8, 4)]  # tau 2, 35/16
+    promote(DEFAULT, _evaluated(store, "first", first_counts), store, "run-1")
 
-    record = promote(DEFAULT, _evaluated(store, "second", LUCKY_ON_ONE_PROMPT), store, "run-2")
+    record = promote(DEFAULT, _evaluated(store, "second", second_counts), store, "run-2")
 
-    # Influences of the second (the first's are all 0): 3.5/16, -2.5/16, -0.5/16, -0.5/16;
-    # sqrt(4/3 * 19/256) = 0.3146.
-    assert record.promoted and record.gain_standard_error == pytest.approx((4 / 3 * 19 / 256) ** 0.5)
-    assert record.summary().endswith("by more than 0.0: +0.125 (SE 0.315)")
+    # Influences 2/16, -2/16, 0, 0 and 3.25/16, -1.75/16, -0.75/16, -0.75/16; their differences
+    # 1.25/16, 0.25/16, -0.75/16, -0.75/16: sqrt(4/3 * 2.75/256) = 0.1197, where the two errors
+    # combined as if independent give 0.3442: prompt 1 is easy and prompt 2 hard for both.
+    assert record.promoted and record.gain_standard_error == pytest.approx((4 / 3 * 2.75 / 256) ** 0.5)
+    unpaired = (tau_standard_error(first_counts) ** 2 + tau_standard_error(second_counts) ** 2) ** 0.5
+    assert unpaired == pytest.approx(0.3442, abs=1e-4)
+    assert record.summary().endswith("by more than 0.0: +0.188 (SE 0.120)")
 
 
 def test_a_gain_within_the_required_standard_errors_is_not_promoted(tmp_path):
@@ -87,22 +94,60 @@ def test_a_gain_within_the_required_standard_errors_is_not_promoted(tmp_path):
     two_errors = PromotionConfig(min_standard_errors=2)
     promote(two_errors, _evaluated(store, "first", SAME_ON_EVERY_PROMPT), store, "run-1")
 
+    # Influences of the lucky one (the first's are all 0): 3.5/16, -2.5/16, -0.5/16, -0.5/16;
+    # sqrt(4/3 * 19/256) = 0.3146.
     lucky = promote(two_errors, _evaluated(store, "lucky", LUCKY_ON_ONE_PROMPT), store, "run-2")
     steady = promote(two_errors, _evaluated(store, "steady", [(9, 4)] * 4), store, "run-3")  # +0.25 on every prompt
 
-    assert not lucky.promoted and lucky.summary().endswith("by more than 0.0 and 2.0 standard errors: +0.125 (SE 0.315)")
+    assert not lucky.promoted and lucky.gain_standard_error == pytest.approx((4 / 3 * 19 / 256) ** 0.5)
+    assert lucky.summary().endswith("by more than 0.0 and 2.0 standard errors: +0.125 (SE 0.315)")
     assert steady.promoted and steady.gain_standard_error == 0.0 and steady.best_earlier_tau == 2.0
 
 
-def test_without_per_prompt_counts_tau_alone_decides(tmp_path):
+def test_the_standard_errors_are_those_of_the_deciding_k(tmp_path):
+    store = ArtifactStore(tmp_path)
+    at_5 = PromotionConfig(k=5, min_standard_errors=2)
+    promote(at_5, publish_evaluation(store, "first", {3: 2.0, 5: 2.0}, counts={3: SAME_ON_EVERY_PROMPT, 5: SAME_ON_EVERY_PROMPT}),
+            store, "run-1")
+
+    steady_at_5 = {3: LUCKY_ON_ONE_PROMPT, 5: [(9, 4)] * 4}
+    record = promote(at_5, publish_evaluation(store, "second", {3: 2.125, 5: 2.25}, counts=steady_at_5), store, "run-2")
+
+    assert record.promoted and record.key.k == 5 and record.gain_standard_error == 0.0
+
+
+@pytest.mark.parametrize("earlier", ["without_counts", "deleted"])
+def test_where_no_paired_error_can_be_measured_tau_alone_decides_and_the_summary_says_so(tmp_path, earlier):
     store = ArtifactStore(tmp_path)
     two_errors = PromotionConfig(min_standard_errors=2)
-    promote(two_errors, publish_evaluation(store, "first", {3: 2.0}), store, "run-1")
+    if earlier == "without_counts":  # backend 'vllm', or an evaluation made before counts were kept
+        promote(two_errors, publish_evaluation(store, "first", {3: 2.0}), store, "run-1")
+    else:
+        first = promote(two_errors, _evaluated(store, "first", SAME_ON_EVERY_PROMPT), store, "run-1")
+        shutil.rmtree(store.artifact_dir(first.evaluation))
 
-    record = promote(two_errors, _evaluated(store, "counted", LUCKY_ON_ONE_PROMPT), store, "run-2")
+    record = promote(two_errors, _evaluated(store, "lucky", LUCKY_ON_ONE_PROMPT), store, "run-2")
 
     assert record.promoted and record.gain_standard_error is None
-    assert record.summary().endswith("by more than 0.0: +0.125")
+    assert record.summary().endswith("by more than 0.0: +0.125 (2.0 standard errors not checked: no paired standard error measured)")
+
+
+def test_records_written_before_the_standard_error_was_kept_still_read(tmp_path):
+    store = ArtifactStore(tmp_path)
+    record = promote(DEFAULT, publish_evaluation(store, "x", {3: 2.0}), store, "run-1")
+    [path] = (store.root / "promotions").glob("*.json")
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k not in ("min_standard_errors", "gain_standard_error")}))
+
+    assert read_promotions(store) == [record]
+
+
+def test_eagle3_promoted_loads_neither_torch_nor_prefect(tmp_path):
+    check = (f"import sys; from eagle3.cli import main; assert main(['promoted', '--store', {str(tmp_path)!r}]) == 0; "
+             "assert not {'torch', 'prefect'} & set(sys.modules), 'loaded'")
+
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("change", [

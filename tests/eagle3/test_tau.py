@@ -4,7 +4,7 @@ import pytest
 
 from eagle3.baseline import decode_summary
 from eagle3.speculative import DecodeStats
-from eagle3.tau import gain_over, per_prompt_counts, tau_from_counts, tau_standard_error, with_error
+from eagle3.tau import gain_over, per_prompt_counts, tau_from_counts, tau_standard_error
 
 
 def _decoded(*accepted_per_prompt: list[int]) -> list[DecodeStats]:
@@ -73,9 +73,3 @@ def test_the_gains_standard_error_agrees_with_a_leave_one_prompt_out_jackknife()
     jackknife = ((n - 1) / n * sum((x - mean) ** 2 for x in leave_one_out)) ** 0.5
 
     assert gain_over(draft, ngram)[1] == pytest.approx(jackknife, rel=0.1)
-
-
-def test_figures_print_with_their_standard_error_where_one_was_measured():
-    assert with_error(2.2261, 0.0431) == "2.226 (SE 0.043)"
-    assert with_error(0.9479, 0.035, signed=True) == "+0.948 (SE 0.035)"
-    assert with_error(-0.1, None, signed=True) == "-0.100"

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eagle3.config import ConfigError, PromotionConfig
-from eagle3.store import MANIFEST, ArtifactError, ArtifactStore, atomic_write_text
 from eagle3.figures import with_error
+from eagle3.store import MANIFEST, ArtifactError, ArtifactStore, atomic_write_text
 from eagle3.tau import gain_over, read_counts
 
 if TYPE_CHECKING:  # evaluate imports torch and transformers: `eagle3 promoted` needs neither
@@ -148,7 +148,7 @@ def _beats(gain: float, error: float | None, cfg: PromotionConfig) -> bool:
 def _paired_error(evaluation: EvalManifest, best: PromotionRecord, store: ArtifactStore) -> float | None:
     """Standard error of the evaluation's tau minus the best earlier one's, paired over their prompts
     (None: as `PromotionRecord.gain_standard_error` says)."""
-    ours = read_counts(evaluation.path, "eagle3", best.key.k)
+    ours = evaluation.counts("eagle3", best.key.k)
     theirs = read_counts(store.artifact_dir(best.evaluation), "eagle3", best.key.k)
     if ours is None or theirs is None or len(ours) != len(theirs):
         return None

@@ -11,8 +11,8 @@ from eagle3.baseline import BaselineManifest
 from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStatesManifest
-from eagle3.store import step_provenance
 from eagle3.figures import with_error
+from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
 from tasks.gpu import claim_gpus

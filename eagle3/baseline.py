@@ -10,13 +10,16 @@ decodes run on, since the speeds are compared with the draft's; `measured_on` na
 Output `reference.json`: the greedy tokens of each prompt, in order; `per_prompt.json`: each
 prompt's n-gram counts at each k as tau takes them (tokens: accepted draft tokens plus one per
 verifier pass; passes), for the draft's gain measured on the same prompts (`eagle3.tau.gain_over`).
+Each prompt's decodes are appended to `done.jsonl` in the work dir as they finish (`eagle3.done_log`),
+so a run killed midway resumes at its first undecoded prompt.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +27,7 @@ from tqdm import tqdm
 
 from eagle3 import prepare_dataset, speculative, tau, verifier as verifier_module
 from eagle3.config import EvalConfig
+from eagle3.done_log import DONE_LOG, append_done, read_done
 from eagle3.extract_hidden_states import resolve_device
 from eagle3.isolation import NO_GPU, GpuClaim, in_process_device
 from eagle3.prepare_dataset import read_user_turns
@@ -32,7 +36,7 @@ from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provena
 from eagle3.tau import PER_PROMPT, Counts, per_prompt_counts, read_counts, tau_from_counts, tau_standard_error
 from eagle3.verifier import VerifierManifest, eos_token_ids, load_text_model, load_tokenizer
 
-__all__ = ["BaselineManifest", "DecodingModel", "decode_summary", "device_name", "measure_baselines", "read_prompts"]
+__all__ = ["BaselineManifest", "DecodingModel", "decode_summary", "device_name", "measure_baselines", "measured_here", "read_prompts"]
 
 logger = logging.getLogger(__name__)
 CODE_DEPENDENCIES = (speculative, prepare_dataset, verifier_module, tau)
@@ -107,44 +111,77 @@ def decode_summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
     }
 
 
+def measured_here(done: dict, device: str, done_log: Path) -> dict:
+    """The finished prompts of `done` that were decoded on `device`. Those from another device (a
+    run resumed on another GPU model) are decoded again: their speeds would mix into this one's."""
+    elsewhere = sorted({entry["measured_on"] for entry in done.values()} - {device})
+    if elsewhere:
+        logger.warning("%s: prompts decoded on %s are decoded again on %s", done_log, ", ".join(elsewhere), device)
+    return {i: entry for i, entry in done.items() if entry["measured_on"] == device}
+
+
+def _decode_prompts(on: DecodingModel, cfg: EvalConfig, done: dict, done_log: Path) -> dict:
+    """Decode every prompt not in `done`, appending each to `done_log` as it finishes; all entries."""
+    done = measured_here(done, device_name(on.device), done_log)
+    with open(done_log, "a") as log, tqdm(total=len(on.prompts), initial=len(done), desc="baselines", unit="prompt") as bar:
+        for i, prompt in enumerate(on.prompts):
+            if i in done:
+                continue
+            greedy = greedy_decode(on.model, prompt, cfg.max_new_tokens, on.eos_ids)
+            ngram = {k: speculative_decode(on.model, None, NgramProposer(), prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
+            done[i] = {"id": i, "measured_on": device_name(on.device), "greedy": asdict(greedy),
+                       "ngram": {str(k): asdict(stats) for k, stats in ngram.items()}}
+            append_done(log, done[i])
+            bar.update()
+    return done
+
+
 def measure_baselines(
     cfg: EvalConfig, verifier: VerifierManifest, prompts_path: Path, store: ArtifactStore, provenance: Provenance, claim: GpuClaim = NO_GPU
 ) -> BaselineManifest:
     """Decode the first `cfg.num_prompts` prompts plainly greedy and with n-gram lookup at each of
     `cfg.ks`, `cfg.max_new_tokens` tokens each, on the claimed GPU (none claimed: `cfg.device`).
+    Each prompt's decodes are logged as they finish: a run killed midway resumes at the next prompt,
+    and claims no GPU if none is left.
 
     Raises:
-        ArtifactError: the prompts file is malformed.
+        ArtifactError: the prompts file or the log of finished prompts is malformed.
     """
     texts = read_prompts(prompts_path, cfg.num_prompts)
     with store.step_work_dir(BaselineManifest, provenance) as (work, published):
         if published is not None:
             return published
         clock = Stopwatch()  # not counting a wait for another run of this step, or for a GPU
-        with clock.excluding_wait(claim()) as gpus:
-            on = DecodingModel.load(verifier, texts, in_process_device(gpus, cfg.device), cfg.dtype)
-            references, ngram, mismatches = [], {k: [] for k in cfg.ks}, 0
-            for prompt in tqdm(on.prompts, desc="baselines", unit="prompt"):
-                references.append(greedy_decode(on.model, prompt, cfg.max_new_tokens, on.eos_ids))
-                for k in cfg.ks:
-                    ngram[k].append(speculative_decode(on.model, None, NgramProposer(), prompt, cfg.max_new_tokens, k, on.eos_ids))
-                    mismatches += ngram[k][-1].tokens != references[-1].tokens
+        done_log = work / DONE_LOG
+        done = read_done(done_log, "prompt")
+        if len(done) < len(texts):
+            with clock.excluding_wait(claim()) as gpus:
+                on = DecodingModel.load(verifier, texts, in_process_device(gpus, cfg.device), cfg.dtype)
+                done = _decode_prompts(on, cfg, done, done_log)
+        entries = [done[i] for i in range(len(texts))]
+        references = [DecodeStats(**entry["greedy"]) for entry in entries]
+        ngram = {k: [DecodeStats(**entry["ngram"][str(k)]) for entry in entries] for k in cfg.ks}
+        mismatches = sum(run.tokens != reference.tokens for runs in ngram.values() for run, reference in zip(runs, references))
         if mismatches:
             logger.warning("%d n-gram decodes differ from plain greedy decoding (numerical ties?)", mismatches)
-        (work / REFERENCE).write_text(json.dumps([r.tokens for r in references]))
-        (work / PER_PROMPT).write_text(json.dumps({"ngram": {k: per_prompt_counts(runs) for k, runs in ngram.items()}}))
+        out = work / "artifact"
+        out.mkdir(exist_ok=True)
+        (out / REFERENCE).write_text(json.dumps([r.tokens for r in references]))
+        (out / PER_PROMPT).write_text(json.dumps({"ngram": {k: per_prompt_counts(runs) for k, runs in ngram.items()}}))
         num_tokens = sum(len(r.tokens) for r in references)
-        return store.publish(
-            work,
+        manifest = store.publish(
+            out,
             BaselineManifest(
                 **provenance.model_dump(),
-                path=work,
+                path=out,
                 num_prompts=len(texts),
                 num_tokens=num_tokens,
                 greedy_tokens_per_s=num_tokens / sum(r.seconds for r in references),
                 results=[decode_summary("ngram", k, runs) for k, runs in ngram.items()],
                 mismatches=mismatches,
-                measured_on=device_name(on.device),
+                measured_on=entries[0]["measured_on"],
                 seconds=clock(),
             ),
         )
+        shutil.rmtree(work)
+        return manifest

@@ -16,7 +16,9 @@ ceiling, the share of those tokens the draft vocabulary holds (`draft_vocab_cove
 raise `vocab.draft_vocab_size`). `per_prompt.json`: each prompt's counts per method and k as tau
 takes them (tokens: accepted draft tokens plus one per verifier pass; passes), in prompt order,
 to break tau down by kind of prompt or compare two drafts on the same prompts. Cost: len(ks)
-decodes per prompt, and one forward of the verifier and the draft over each greedy output.
+decodes per prompt, and one forward of the verifier and the draft over each greedy output. Each
+prompt's figures are appended to `done.jsonl` in the work dir as they finish (`eagle3.done_log`),
+so a run killed midway resumes at its first undecoded prompt.
 
 Backend `vllm` instead reads the same figures for the draft from a vLLM server that serves it
 (`eagle3.served_acceptance`), at the server's k, without the baselines (so without the gain over
@@ -27,20 +29,22 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from eagle3 import baseline, endpoint, served_acceptance, speculative, tau
-from eagle3.baseline import BaselineManifest, DecodingModel, decode_summary, device_name, read_prompts
+from eagle3.baseline import BaselineManifest, DecodingModel, decode_summary, device_name, measured_here, read_prompts
 from eagle3.config import EvalConfig
+from eagle3.done_log import DONE_LOG, append_done, read_done
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStateCapture, HiddenStatesManifest
 from eagle3.isolation import NO_GPU, GpuClaim, in_process_device
 from eagle3.served_acceptance import measure_served_acceptance
-from eagle3.speculative import Eagle3Proposer, draft_token_accuracy, speculative_decode
+from eagle3.speculative import DecodeStats, Eagle3Proposer, draft_token_accuracy, speculative_decode
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.tau import PER_PROMPT, Counts, gain_over, per_prompt_counts, read_counts
 from eagle3.verifier import VerifierManifest
@@ -106,30 +110,41 @@ def _gain_row(k: int, draft: Counts, ngram: Counts) -> dict:
     return {"k": k, "gain": gain, "standard_error": error}
 
 
-def _measure_by_own_decoding(
+def _decode_prompts(
     cfg: EvalConfig, checkpoint: ExportManifest, hidden_states: HiddenStatesManifest, verifier: VerifierManifest, texts: list[str],
-    baselines: BaselineManifest,
-) -> _Measured:
-    references = baselines.reference()
-    if len(references) != len(texts):
-        raise ArtifactError(baselines.path, f"baselines of {len(references)} prompts for an evaluation of {len(texts)}")
+    references: list[list[int]], done: dict, done_log: Path,
+) -> dict:
+    """Decode every prompt not in `done` with the draft at each k and measure its first-token
+    accuracy on the greedy output, appending each prompt to `done_log` as it finishes; all entries."""
     on = DecodingModel.load(verifier, texts, cfg.device, cfg.dtype)
+    device = device_name(on.device)
+    done = measured_here(done, device, done_log)
     capture = HiddenStateCapture(on.model.get_decoder(), hidden_states.aux_layer_ids)
     draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, on.device, getattr(torch, cfg.dtype)))
-    runs: dict[int, list] = {k: [] for k in cfg.ks}
-    mismatches, correct, covered, drafted = 0, 0, 0, 0
     try:
-        for prompt, reference in tqdm(list(zip(on.prompts, references)), desc="evaluate", unit="prompt"):
-            right, total = draft_token_accuracy(on.model, capture, draft, prompt, reference)
-            correct, drafted = correct + right, drafted + total
-            covered += draft.in_vocabulary(reference[1:])  # the positions draft_token_accuracy counts
-            for k in cfg.ks:
-                runs[k].append(speculative_decode(on.model, capture, draft, prompt, cfg.max_new_tokens, k, on.eos_ids))
-                mismatches += runs[k][-1].tokens != reference
+        with open(done_log, "a") as log, tqdm(total=len(on.prompts), initial=len(done), desc="evaluate", unit="prompt") as bar:
+            for i, (prompt, reference) in enumerate(zip(on.prompts, references)):
+                if i in done:
+                    continue
+                correct, drafted = draft_token_accuracy(on.model, capture, draft, prompt, reference)
+                covered = draft.in_vocabulary(reference[1:])  # the positions draft_token_accuracy counts
+                runs = {k: speculative_decode(on.model, capture, draft, prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
+                done[i] = {"id": i, "measured_on": device, "runs": {str(k): asdict(run) for k, run in runs.items()},
+                           "correct": correct, "drafted": drafted, "covered": covered}
+                append_done(log, done[i])
+                bar.update()
     finally:
         capture.close()
+    return done
+
+
+def _summarize(cfg: EvalConfig, entries: list[dict], references: list[list[int]], baselines: BaselineManifest) -> _Measured:
+    """The figures of the draft's decodes of every prompt (`entries`, in prompt order)."""
+    runs = {k: [DecodeStats(**entry["runs"][str(k)]) for entry in entries] for k in cfg.ks}
+    mismatches = sum(run.tokens != reference for k_runs in runs.values() for run, reference in zip(k_runs, references))
     if mismatches:
         logger.warning("%d speculative decodes differ from plain greedy decoding (numerical ties?)", mismatches)
+    correct, covered, drafted = (sum(entry[field] for entry in entries) for field in ("correct", "covered", "drafted"))
     draft_counts = {k: per_prompt_counts(r) for k, r in runs.items()}
     ngram_counts = {k: counts for k in runs if (counts := baselines.counts("ngram", k)) is not None}
     return _Measured(
@@ -139,7 +154,7 @@ def _measure_by_own_decoding(
         mismatches=mismatches + baselines.mismatches,
         draft_token_accuracy=correct / drafted if drafted else None,
         draft_vocab_coverage=covered / drafted if drafted else None,
-        measured_on=device_name(on.device),
+        measured_on=entries[0]["measured_on"],
         gains_over_ngram=[_gain_row(k, draft_counts[k], counts) for k, counts in ngram_counts.items()],
         per_prompt={"eagle3": draft_counts, "ngram": ngram_counts},
     )
@@ -162,11 +177,12 @@ def evaluate(
     which has no baseline or greedy check (`greedy_tokens_per_s` and `mismatches` are None).
 
     `claim`: the CUDA device our own decoding runs on, claimed once this run holds the step (none
-    claimed: `cfg.device`); the server backend claims nothing.
+    claimed: `cfg.device`); the server backend claims nothing. Our own decoding logs each prompt as
+    it finishes: a run killed midway resumes at the next prompt, and claims no GPU if none is left.
 
     Raises:
-        ArtifactError: the prompts file is malformed, the baselines are of other prompts, or the
-            server rejected a prompt.
+        ArtifactError: the prompts file or the log of finished prompts is malformed, the baselines
+            are of other prompts, or the server rejected a prompt.
         ValueError: backend 'transformers' without `baselines`.
         EndpointError: (backend 'vllm') the server is unreachable, does not serve
             `endpoint.model`, or runs without a draft.
@@ -182,20 +198,29 @@ def evaluate(
             row = measure_served_acceptance(cfg, texts, prompts_path)
             measured = _Measured(results=[row], num_tokens=row["tokens"], greedy_tokens_per_s=None, mismatches=None)
         else:
-            with clock.excluding_wait(claim()) as gpus:
-                on_device = cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)})
-                measured = _measure_by_own_decoding(on_device, checkpoint, hidden_states, verifier, texts, baselines)
+            references = baselines.reference()
+            if len(references) != len(texts):
+                raise ArtifactError(baselines.path, f"baselines of {len(references)} prompts for an evaluation of {len(texts)}")
+            done_log = work / DONE_LOG
+            done = read_done(done_log, "prompt")
+            if len(done) < len(texts):
+                with clock.excluding_wait(claim()) as gpus:
+                    on_device = cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)})
+                    done = _decode_prompts(on_device, checkpoint, hidden_states, verifier, texts, references, done, done_log)
+            measured = _summarize(cfg, [done[i] for i in range(len(texts))], references, baselines)
         report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches,
                   "draft_token_accuracy": measured.draft_token_accuracy, "draft_vocab_coverage": measured.draft_vocab_coverage,
                   "gains_over_ngram": measured.gains_over_ngram}
-        (work / "report.json").write_text(json.dumps(report, indent=2, default=float))
+        out = work / "artifact"
+        out.mkdir(exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report, indent=2, default=float))
         if measured.per_prompt is not None:
-            (work / PER_PROMPT).write_text(json.dumps(measured.per_prompt))
-        return store.publish(
-            work,
+            (out / PER_PROMPT).write_text(json.dumps(measured.per_prompt))
+        manifest = store.publish(
+            out,
             EvalManifest(
                 **provenance.model_dump(),
-                path=work,
+                path=out,
                 num_prompts=len(texts),
                 num_tokens=measured.num_tokens,
                 tau_sim=checkpoint.tau_sim,
@@ -209,3 +234,5 @@ def evaluate(
                 seconds=clock(),
             ),
         )
+        shutil.rmtree(work)
+        return manifest

@@ -28,7 +28,6 @@ Cost: one decode per generated token.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -45,11 +44,12 @@ from tqdm import tqdm
 
 from eagle3 import endpoint, prepare_dataset, verifier as verifier_module
 from eagle3.config import RegenerateConfig
+from eagle3.done_log import DONE_LOG, append_done, read_done
 from eagle3.endpoint import EndpointError, RequestRejected, chat, open_client
 from eagle3.extract_hidden_states import FAULT_OOM_ENV, resolve_device
 from eagle3.isolation import NO_GPU, GpuClaim, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import Record, read_user_turns
-from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
+from eagle3.store import ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.verifier import VerifierManifest, compute_dtype, eos_token_ids, load_text_model, load_tokenizer
 
 __all__ = ["RegeneratedManifest", "regenerate", "regenerated_conversations"]
@@ -136,33 +136,6 @@ def _answer_batch(model, tokenizer, batch: list[Record], cfg: RegenerateConfig, 
             for b, (record_id, _, _) in enumerate(batch)]
 
 
-def _append_done(log, entry: dict) -> None:
-    log.write(json.dumps(entry) + "\n")  # one write per line: a kill leaves at most the last one torn
-    log.flush()
-
-
-def _read_done(done_log: Path) -> dict[str, dict]:
-    """Finished entries by record id. A last line without its newline is a write cut short by a
-    kill: it is cut from the file (so appends start on a fresh line) and its record is redone."""
-    if not done_log.exists():
-        return {}
-    data = done_log.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) < len(data):
-        logger.warning("%s: dropping an incomplete last line (%d bytes, a write cut short); its record is regenerated",
-                       done_log, len(data) - len(complete))
-        os.truncate(done_log, len(complete))
-    done = {}
-    for number, line in enumerate(complete.decode().splitlines(), 1):
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ArtifactError(done_log, f"line {number} is not JSON ({exc}); delete that line (its record is "
-                                          "regenerated) or the file (all are)") from exc
-        done[entry["id"]] = entry
-    return done
-
-
 def _transformers_attempt(
     todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, device: str, batch_size: int, done_log: Path, on_progress
 ) -> dict | None:
@@ -185,7 +158,7 @@ def _transformers_attempt(
                 except torch.OutOfMemoryError as exc:
                     return {"records": [record_id for record_id, _, _ in batch], "error": str(exc).splitlines()[0]}
                 for entry in answers:
-                    _append_done(log, entry)
+                    append_done(log, entry)
                 on_progress(len(batch))
     finally:
         del model
@@ -203,7 +176,7 @@ def _regenerate_by_transformers(
     while todo:
         attempt = {"todo": todo, "cfg": cfg, "verifier": verifier, "device": device, "batch_size": batch_size, "done_log": done_log}
         oom = run_attempt(_transformers_attempt, attempt, gpus, records_done)
-        finished = _read_done(done_log)
+        finished = read_done(done_log, "record")
         todo = [r for r in todo if r[0] not in finished]
         assert oom is not None or not todo, "an attempt without an out-of-memory error left records unfinished"
         if oom is not None:
@@ -250,7 +223,7 @@ def _regenerate_by_server(todo: list[Record], cfg: RegenerateConfig, done_log: P
     with open(done_log, "a") as log:
         try:
             for entry in _answers_by_server(todo, cfg):
-                _append_done(log, entry)
+                append_done(log, entry)
                 records_done(1)
         except EndpointError as exc:
             raise EndpointError(f"{exc} Finished records are kept in {done_log}: a re-run resumes there.") from exc
@@ -283,8 +256,8 @@ def regenerate(
         if published is not None:
             return published
         clock = Stopwatch()  # not counting a wait for another run of this step, or for a GPU
-        done_log = work / "done.jsonl"
-        done = _read_done(done_log)
+        done_log = work / DONE_LOG
+        done = read_done(done_log, "record")
         todo = [r for r in records if r[0] not in done]
         backoffs, gpu_memory_after = [], None
         if todo:
@@ -301,7 +274,7 @@ def regenerate(
                     with clock.excluding_wait(claim()) as gpus:
                         backoffs = _regenerate_by_transformers(todo, cfg, verifier, done_log, gpus, records_done)
                         gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
-            done = _read_done(done_log)
+            done = read_done(done_log, "record")
 
         ok = [done[r[0]] for r in records if "failed" not in done[r[0]]]
         out = work / "artifact"

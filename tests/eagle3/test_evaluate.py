@@ -1,14 +1,19 @@
 from __future__ import annotations
 
+import copy
 import json
+import time
+from contextlib import contextmanager
 
 import pytest
 import torch
 
-from conftest import CLAIM_WAIT_S, SAMPLE, run_while_another_run_holds_the_step, write_jsonl
+from conftest import CLAIM_WAIT_S, SAMPLE, run_while_another_run_holds_the_step, work_dir_path, write_jsonl
 from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
-from eagle3.baseline import measure_baselines, read_prompts
+from eagle3 import baseline, evaluate as evaluate_module
+from eagle3.baseline import DecodingModel, measure_baselines, read_prompts
 from eagle3.evaluate import EvalManifest, evaluate, load_draft
+from eagle3.done_log import DONE_LOG
 from eagle3.endpoint import EndpointError
 from eagle3.export import export_checkpoint
 from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_states
@@ -267,6 +272,110 @@ def test_baselines_of_other_prompts_are_refused_by_name(exported, two_prompts):
 
     with pytest.raises(ArtifactError, match=rf"{baselines.path}: baselines of 2 prompts for an evaluation of 1"):
         evaluate(cfg.model_copy(update={"num_prompts": 1}), checkpoint, hidden, verifier, prompts, store, Provenance(config={"n": 1}), baselines)
+
+
+@contextmanager
+def counted_claim(claims: list):
+    claims.append(time.monotonic())
+    yield None  # no GPU: the step decodes on its configured device
+
+
+def plant_done_log(store, kind: str, provenance: Provenance, entries: list[dict], torn: str = "") -> None:
+    """What a run killed midway leaves in the step's work directory (a last line cut short: `torn`)."""
+    log = work_dir_path(store, kind, provenance.key) / DONE_LOG
+    log.write_text("".join(json.dumps(entry) + "\n" for entry in entries) + torn)
+
+
+@pytest.fixture(scope="module")
+def baseline_entries(exported, two_prompts, tmp_path_factory):
+    """Each prompt's finished baseline decodes, logged by the step's own per-prompt loop."""
+    _, verifier, _, _ = exported
+    cfg, prompts, _ = two_prompts
+    on = DecodingModel.load(verifier, read_prompts(prompts, cfg.num_prompts), cfg.device, cfg.dtype)
+    done = baseline._decode_prompts(on, cfg, {}, tmp_path_factory.mktemp("baseline_log") / DONE_LOG)
+    return [done[0], done[1]]
+
+
+def tagged(entry: dict, method: str, seconds: float, **update) -> dict:
+    """`entry` with the seconds of its `method` decode ('greedy', or a k of the draft's 'runs') set
+    to `seconds`: a figure only a reused entry can put into the speeds."""
+    entry = copy.deepcopy(entry) | update
+    (entry["runs"][method] if method.isdigit() else entry[method])["seconds"] = seconds
+    return entry
+
+
+def test_a_killed_baselines_run_resumes_at_its_first_undecoded_prompt(exported, two_prompts, baseline_entries):
+    store, verifier, _, _ = exported
+    cfg, prompts, full = two_prompts
+    provenance, claims = Provenance(config={"run": "killed after one prompt"}), []
+    plant_done_log(store, "baseline", provenance, [tagged(baseline_entries[0], "greedy", 1000.0)],
+                   torn=json.dumps(baseline_entries[1])[:40])
+
+    resumed = measure_baselines(cfg, verifier, prompts, store, provenance, claim=lambda: counted_claim(claims))
+
+    assert len(claims) == 1  # a prompt was left to decode
+    assert resumed.reference() == full.reference() and resumed.mismatches == 0
+    assert [(r["k"], r["tau"], r["acceptance_by_position"]) for r in resumed.results] == \
+        [(r["k"], r["tau"], r["acceptance_by_position"]) for r in full.results]
+    assert resumed.greedy_tokens_per_s < resumed.num_tokens / 1000.0  # the first prompt's logged decode was kept
+    assert sorted(p.name for p in resumed.path.iterdir()) == ["manifest.json", "per_prompt.json", "reference.json"]
+    assert not (store.root / "work" / f"baseline-{provenance.key[:24]}").exists()  # the log went with the work dir
+
+
+def test_baselines_with_every_prompt_logged_claim_no_gpu_and_publish_the_logged_figures(exported, two_prompts, baseline_entries):
+    store, verifier, _, _ = exported
+    cfg, prompts, full = two_prompts
+    provenance, claims = Provenance(config={"run": "killed before publishing"}), []
+    plant_done_log(store, "baseline", provenance, [tagged(entry, "greedy", 500.0) for entry in baseline_entries])
+
+    resumed = measure_baselines(cfg, verifier, prompts, store, provenance, claim=lambda: counted_claim(claims))
+
+    assert claims == []
+    assert resumed.reference() == full.reference()
+    assert resumed.greedy_tokens_per_s == pytest.approx(resumed.num_tokens / 1000.0)
+    assert resumed.measured_on == baseline_entries[0]["measured_on"]
+
+
+def test_a_run_resumed_on_another_device_decodes_the_logged_prompts_again(exported, two_prompts, baseline_entries, caplog):
+    store, verifier, _, _ = exported
+    cfg, prompts, full = two_prompts
+    provenance = Provenance(config={"run": "resumed on another device"})
+    plant_done_log(store, "baseline", provenance, [tagged(baseline_entries[0], "greedy", 1000.0, measured_on="NVIDIA H100 80GB HBM3")])
+
+    resumed = measure_baselines(cfg, verifier, prompts, store, provenance)
+
+    assert resumed.reference() == full.reference() and resumed.measured_on.startswith("cpu")
+    assert resumed.greedy_tokens_per_s > resumed.num_tokens / 1000.0  # no speed from the other device
+    assert "prompts decoded on NVIDIA H100 80GB HBM3 are decoded again on cpu" in caplog.text
+
+
+def test_a_killed_evaluation_resumes_at_its_first_undecoded_prompt(exported, two_prompts, tmp_path):
+    store, verifier, hidden, checkpoint = exported
+    cfg, prompts, baselines = two_prompts
+    texts, references = read_prompts(prompts, cfg.num_prompts), baselines.reference()
+    first = evaluate_module._decode_prompts(cfg, checkpoint, hidden, verifier, texts[:1], references[:1], {}, tmp_path / DONE_LOG)[0]
+    provenance, claims = Provenance(config={"run": "evaluation killed after one prompt"}), []
+    plant_done_log(store, "evaluation", provenance, [tagged(first, "2", 1000.0)], torn='{"id": 1, "measured_on": "cp')
+    full = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "uninterrupted"}), baselines)
+
+    resumed = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, baselines, claim=lambda: counted_claim(claims))
+
+    assert len(claims) == 1 and resumed.mismatches == 0
+    figures = ("method", "k", "tau", "acceptance_by_position", "tokens")
+    assert [[r[f] for f in figures] for r in resumed.results] == [[r[f] for f in figures] for r in full.results]
+    assert (resumed.draft_token_accuracy, resumed.draft_vocab_coverage) == (full.draft_token_accuracy, full.draft_vocab_coverage)
+    assert resumed.counts("eagle3", 4) == full.counts("eagle3", 4)
+    [k2] = [r for r in resumed.results if (r["method"], r["k"]) == ("eagle3", 2)]
+    assert k2["tokens_per_s"] < k2["tokens"] / 1000.0  # the first prompt's logged decode was kept
+    assert sorted(p.name for p in resumed.path.iterdir()) == ["manifest.json", "per_prompt.json", "report.json"]
+
+    claims.clear()
+    provenance = Provenance(config={"run": "evaluation killed before publishing"})
+    plant_done_log(store, "evaluation", provenance, [first, evaluate_module._decode_prompts(
+        cfg, checkpoint, hidden, verifier, texts, references, {0: first}, tmp_path / "both.jsonl")[1]])
+    assert evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, baselines,
+                    claim=lambda: counted_claim(claims)).results[0]["tau"] == full.results[0]["tau"]
+    assert claims == []
 
 
 def test_a_run_waiting_for_another_run_of_the_step_claims_its_gpu_only_once_it_holds_the_step(exported):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.cli import set_prefect_defaults  # noqa: E402
+from eagle3.cli import exit_cleanly_on_sigterm, set_prefect_defaults  # noqa: E402
 from eagle3.config import ConfigError, PipelineConfig, load_config  # noqa: E402
 
 SIZES = {
@@ -295,6 +295,7 @@ def main() -> None:
     extra = _extra_train_sets(args.add_train, parser)
 
     set_prefect_defaults()
+    exit_cleanly_on_sigterm()
     from eagle3.store import digest_file
     from flows.train_draft import train_eagle3_draft
 

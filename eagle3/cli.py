@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from eagle3.config import ConfigError, load_config
 from eagle3.figures import with_error
 
-__all__ = ["main", "set_prefect_defaults"]
+__all__ = ["exit_cleanly_on_sigterm", "main", "set_prefect_defaults"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,9 +128,18 @@ def set_prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")
 
 
+def exit_cleanly_on_sigterm() -> None:
+    """SIGTERM (`kill`, `timeout`, a scheduler) exits through Python's shutdown, which runs the
+    atexit hook that stops Prefect's temporary server. Python's default action skips it and leaves
+    that server running; during a flow Prefect marks the run crashed, then re-sends the signal to
+    the handler it found, this one."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     set_prefect_defaults()
+    exit_cleanly_on_sigterm()
     if args.command == "gpu-limit":
         return _gpu_limit(args.gpus)
     if args.command == "lineage":

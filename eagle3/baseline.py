@@ -36,7 +36,7 @@ from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provena
 from eagle3.tau import PER_PROMPT, Counts, per_prompt_counts, read_counts, tau_from_counts, tau_standard_error
 from eagle3.verifier import VerifierManifest, eos_token_ids, load_text_model, load_tokenizer
 
-__all__ = ["BaselineManifest", "DecodingModel", "decode_summary", "device_name", "measure_baselines", "measured_here", "read_prompts"]
+__all__ = ["BaselineManifest", "DecodingModel", "decode_remaining", "decode_summary", "device_name", "measure_baselines", "read_prompts"]
 
 logger = logging.getLogger(__name__)
 CODE_DEPENDENCIES = (speculative, prepare_dataset, verifier_module, tau)
@@ -111,7 +111,7 @@ def decode_summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
     }
 
 
-def measured_here(done: dict, device: str, done_log: Path) -> dict:
+def _measured_here(done: dict, device: str, done_log: Path) -> dict:
     """The finished prompts of `done` that were decoded on `device`. Those from another device (a
     run resumed on another GPU model) are decoded again: their speeds would mix into this one's."""
     elsewhere = sorted({entry["measured_on"] for entry in done.values()} - {device})
@@ -120,20 +120,30 @@ def measured_here(done: dict, device: str, done_log: Path) -> dict:
     return {i: entry for i, entry in done.items() if entry["measured_on"] == device}
 
 
-def _decode_prompts(on: DecodingModel, cfg: EvalConfig, done: dict, done_log: Path) -> dict:
-    """Decode every prompt not in `done`, appending each to `done_log` as it finishes; all entries."""
-    done = measured_here(done, device_name(on.device), done_log)
-    with open(done_log, "a") as log, tqdm(total=len(on.prompts), initial=len(done), desc="baselines", unit="prompt") as bar:
-        for i, prompt in enumerate(on.prompts):
-            if i in done:
-                continue
-            greedy = greedy_decode(on.model, prompt, cfg.max_new_tokens, on.eos_ids)
-            ngram = {k: speculative_decode(on.model, None, NgramProposer(), prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
-            done[i] = {"id": i, "measured_on": device_name(on.device), "greedy": asdict(greedy),
-                       "ngram": {str(k): asdict(stats) for k, stats in ngram.items()}}
-            append_done(log, done[i])
-            bar.update()
+def decode_remaining(num_prompts: int, device: torch.device, done: dict, done_log: Path, desc: str, decode) -> dict:
+    """Entries for all `num_prompts` prompts: those in `done` decoded on `device`, and `decode(i)`
+    (a dict of figures) for each other prompt i, appended to `done_log` as it finishes."""
+    name = device_name(device)
+    done = _measured_here(done, name, done_log)
+    with open(done_log, "a") as log, tqdm(total=num_prompts, initial=len(done), desc=desc, unit="prompt") as bar:
+        for i in range(num_prompts):
+            if i not in done:
+                done[i] = {"id": i, "measured_on": name, **decode(i)}
+                append_done(log, done[i])
+                bar.update()
     return done
+
+
+def _decode_prompts(on: DecodingModel, cfg: EvalConfig, done: dict, done_log: Path) -> dict:
+    """Plain greedy and n-gram decodes of every prompt not in `done`; all entries."""
+
+    def decode(i: int) -> dict:
+        prompt = on.prompts[i]
+        greedy = greedy_decode(on.model, prompt, cfg.max_new_tokens, on.eos_ids)
+        ngram = {k: speculative_decode(on.model, None, NgramProposer(), prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
+        return {"greedy": asdict(greedy), "ngram": {str(k): asdict(stats) for k, stats in ngram.items()}}
+
+    return decode_remaining(len(on.prompts), on.device, done, done_log, "baselines", decode)
 
 
 def measure_baselines(

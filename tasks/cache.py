@@ -12,6 +12,7 @@ from then on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -21,7 +22,7 @@ from prefect.cache_policies import TASK_SOURCE, CachePolicy
 from prefect.context import TaskRunContext
 from prefect.utilities.hashing import hash_objects
 
-from eagle3.store import ArtifactStore, step_provenance
+from eagle3.store import ArtifactStore, Provenance, step_provenance
 
 __all__ = ["StepCache", "step_cache_policy"]
 
@@ -29,6 +30,7 @@ __all__ = ["StepCache", "step_cache_policy"]
 @dataclass
 class StepCache(CachePolicy):
     step_module: ModuleType | None = None
+    provenance: Callable[..., Provenance] | None = None  # (store, **inputs); None: step_provenance of step_module
 
     def compute_key(
         self,
@@ -42,9 +44,10 @@ class StepCache(CachePolicy):
         inputs = dict(inputs)
         store = ArtifactStore(inputs.pop("store_dir"))
         # The store is part of the key: a cached manifest points into the store that holds it.
+        provenance = self.provenance(store, **inputs) if self.provenance else step_provenance(self.step_module, store, **inputs)
         key = hash_objects(
             str(store.root),
-            step_provenance(self.step_module, store, **inputs).key,
+            provenance.key,
             TASK_SOURCE.compute_key(task_ctx=task_ctx, inputs=inputs, flow_parameters=flow_parameters),
         )
         results = task_ctx.result_store
@@ -53,6 +56,8 @@ class StepCache(CachePolicy):
         return key
 
 
-def step_cache_policy(step_module: ModuleType) -> CachePolicy:
-    """Key = step provenance + the task wrapper's own source, past results whose artifact is gone."""
-    return StepCache(step_module=step_module)
+def step_cache_policy(step_module: ModuleType, provenance: Callable[..., Provenance] | None = None) -> CachePolicy:
+    """Key = step provenance + the task wrapper's own source, past results whose artifact is gone.
+    `provenance(store, **inputs)`: the one the task itself records, where it is not `step_provenance`
+    of the task's inputs (the two must agree, or the two caches reuse different results)."""
+    return StepCache(step_module=step_module, provenance=provenance)

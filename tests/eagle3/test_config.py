@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 
 from eagle3.config import (
-    ConfigError, EndpointConfig, ExtractConfig, PipelineConfig, RegenerateConfig, TrainConfig, load_config, output_affecting,
+    ConfigError, DatasetConfig, EndpointConfig, EvalConfig, ExtractConfig, PipelineConfig, RegenerateConfig, TrainConfig,
+    VerifierConfig, load_config, output_affecting,
 )
 
 
@@ -59,6 +60,41 @@ def test_promotion_k_must_be_an_evaluated_k():
         load_config(None, ["promotion.k=7"])
 
 
+def test_promotion_k_of_a_vllm_evaluation_is_the_servers_not_one_of_evaluate_ks():
+    config = load_config(None, ["evaluate.backend=vllm", "evaluate.endpoint.model=verifier", "promotion.k=4"])
+
+    assert config.promotion.k == 4
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.device=gpu", "train.device"), ("extract.device=cuda:1", "extract.device"),
+    ("evaluate.ks=[3, 0]", "evaluate.ks.1"), ("promotion.k=0", "promotion.k"),
+])
+def test_a_device_or_draft_length_no_step_can_use_fails_at_load_not_at_its_step(override, field):
+    with pytest.raises(ConfigError, match=rf"overrides: {field}: "):
+        load_config(None, [override])
+
+
+def test_file_locations_are_not_keyed_the_files_content_is():
+    """Steps key the verifier, dataset and prompts by content (`step_provenance` digests the file),
+    so moving a file or naming it by another path re-runs nothing."""
+    assert output_affecting(VerifierConfig(path="/models/a")) == output_affecting(VerifierConfig(path="/mnt/b"))
+    assert output_affecting(DatasetConfig(path="a.jsonl")) == output_affecting(DatasetConfig(path="/data/b.jsonl"))
+    assert output_affecting(EvalConfig(prompts_path="a.jsonl")) == output_affecting(EvalConfig())
+
+
+def test_settings_only_the_other_backend_reads_are_not_keyed():
+    served = EndpointConfig(model="verifier")
+    local_eval = [output_affecting(EvalConfig(endpoint=EndpointConfig(model=m))) for m in (None, "verifier")]
+    vllm_eval = [output_affecting(EvalConfig(backend="vllm", endpoint=served, ks=ks, dtype=d)) for ks, d in (([3], "float32"), ([5], "bfloat16"))]
+    local_regen = [output_affecting(RegenerateConfig(endpoint=EndpointConfig(model=m))) for m in (None, "verifier")]
+
+    assert local_eval[0] == local_eval[1] and "endpoint" not in local_eval[0]
+    assert vllm_eval[0] == vllm_eval[1] and vllm_eval[0]["endpoint"] == {"model": "verifier"}
+    assert local_regen[0] == local_regen[1] and "endpoint" not in local_regen[0]
+    assert output_affecting(EvalConfig(ks=[3])) != output_affecting(EvalConfig(ks=[5]))
+
+
 def test_where_the_server_is_stays_out_of_the_key_but_what_it_serves_does_not():
     def key(**endpoint):
         return output_affecting(RegenerateConfig(backend="openai", endpoint=EndpointConfig(**{"model": "verifier", **endpoint})))
@@ -71,3 +107,8 @@ def test_where_the_server_is_stays_out_of_the_key_but_what_it_serves_does_not():
 def test_a_server_backend_without_a_served_model_name_is_a_config_error():
     with pytest.raises(ConfigError, match=r"regenerate.endpoint.model is required when regenerate.backend is 'openai'"):
         load_config(None, ["regenerate.backend=openai"])
+
+
+def test_an_override_value_that_is_not_yaml_names_the_override():
+    with pytest.raises(ConfigError, match=r"override 'train.lr=\[1': the value is not YAML"):
+        load_config(None, ["train.lr=[1"])

@@ -12,7 +12,7 @@ from conftest import CLAIM_WAIT_S, SAMPLE, run_while_another_run_holds_the_step,
 from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
 from eagle3 import baseline, evaluate as evaluate_module
 from eagle3.baseline import DecodingModel, measure_baselines, read_prompts
-from eagle3.evaluate import EvalManifest, evaluate, load_draft
+from eagle3.evaluate import EvalManifest, eval_prompts_source, evaluate, load_draft
 from eagle3.done_log import DONE_LOG
 from eagle3.endpoint import EndpointError
 from eagle3.export import export_checkpoint
@@ -272,6 +272,27 @@ def test_baselines_of_other_prompts_are_refused_by_name(exported, two_prompts):
 
     with pytest.raises(ArtifactError, match=rf"{baselines.path}: baselines of 2 prompts for an evaluation of 1"):
         evaluate(cfg.model_copy(update={"num_prompts": 1}), checkpoint, hidden, verifier, prompts, store, Provenance(config={"n": 1}), baselines)
+
+
+def test_baselines_are_keyed_by_device_type_and_decoding_not_by_the_eval_backend_or_a_files_location(exported, two_prompts):
+    """A CPU-measured baseline is never handed to a CUDA evaluation, whose speeds it is compared with."""
+    store, verifier, _, _ = exported
+    cfg, prompts, _ = two_prompts
+    moved = write_jsonl(store.root / "moved-prompts.jsonl", [json.loads(line) for line in prompts.read_text().splitlines()])
+
+    def key(prompts_file=prompts, **settings):
+        return baseline.baseline_provenance(store, cfg.model_copy(update=settings), verifier, prompts_file).key
+
+    assert key() == key(device="cpu") == key(moved, prompts_path=str(moved))
+    assert key() == key(backend="vllm", endpoint=EndpointConfig(model="verifier", base_url="http://gpu-host/v1"))
+    assert len({key(), key(device="cuda"), key(dtype="bfloat16"), key(ks=[3]), key(max_new_tokens=8), key(num_prompts=1)}) == 6
+
+
+def test_a_prompts_file_that_is_not_there_is_named_before_anything_runs(tmp_path):
+    missing = tmp_path / "mt_bench.jsonl"
+
+    with pytest.raises(ArtifactError, match=rf"{missing}: evaluate.prompts_path does not exist or is not a file"):
+        eval_prompts_source(EvalConfig(prompts_path=str(missing)))
 
 
 @contextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -162,11 +163,22 @@ def test_changing_only_training_hyperparameters_reruns_train_export_and_evaluati
     assert result.lineage.changes == "This run produced 3 of its 7 artifacts: checkpoint, draft, evaluation."
 
 
-def test_changing_only_batch_knobs_reruns_nothing(first_run):
-    config, first = first_run
-    extract = config.extract.model_copy(update={"prefill_batch_tokens": 64})
+def test_changing_only_batch_knobs_file_locations_or_settings_of_an_unused_backend_reruns_nothing(first_run, tmp_path):
+    from eagle3.evaluate import eval_prompts_source
 
-    result, states = _run(config.model_copy(update={"extract": extract}))
+    config, first = first_run
+    moved = tmp_path / "moved"
+    shutil.copytree(config.verifier.path, moved / "verifier")
+    shutil.copy(config.dataset.path, moved / "conversations.jsonl")
+    shutil.copy(eval_prompts_source(config.evaluate), moved / "prompts.jsonl")
+    changed = config.model_validate(config.model_dump() | {
+        "verifier": {"path": str(moved / "verifier")},
+        "dataset": config.dataset.model_dump() | {"path": str(moved / "conversations.jsonl")},
+        "extract": config.extract.model_dump() | {"prefill_batch_tokens": 64},
+        "evaluate": config.evaluate.model_dump() | {"prompts_path": str(moved / "prompts.jsonl"), "endpoint": {"model": "verifier"}},
+    })
+
+    result, states = _run(changed)
 
     assert states == dict.fromkeys(STEPS, "Cached")
     assert result.checkpoint.digest == first.checkpoint.digest

@@ -1,7 +1,7 @@
 """Quality benchmark: what a SmolLM2-135M-Instruct draft trained on regenerated answers achieves.
 
     python bench/quality.py --data DIR --size small      # CPU, minutes
-    eagle3 gpu-limit && python bench/quality.py --data DIR --size full   # one GPU (H200: ~20 minutes)
+    python bench/quality.py --data DIR --size full   # one GPU (H200: ~20 minutes)
 
 DIR holds `instructions_train.jsonl` (train prompts: `prompt`), `mt_bench_questions.jsonl`
 (MT-bench, first turns evaluated) and `gsm8k_test_dev.jsonl` (`question`); `--eval-sets ... heldout`
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.cli import exit_cleanly_on_sigterm, set_prefect_defaults  # noqa: E402
+from eagle3.cli import ensure_gpu_limit, exit_cleanly_on_sigterm, set_prefect_defaults  # noqa: E402
 from eagle3.config import ConfigError, PipelineConfig, load_config  # noqa: E402
 
 SIZES = {
@@ -296,6 +296,8 @@ def main() -> None:
 
     set_prefect_defaults()
     exit_cleanly_on_sigterm()
+    import torch
+
     from eagle3.store import digest_file
     from flows.train_draft import train_eagle3_draft
 
@@ -310,6 +312,8 @@ def main() -> None:
     if extra:
         cfg = with_extra_training_prompts(cfg, extra, data, store)
     rows, first_run, summary = {}, None, None
+    if not args.from_store:
+        ensure_gpu_limit(torch.cuda.device_count())
     for name in args.eval_sets:
         prompts = eval_prompts(name, cfg, trained_instructions, data, store)
         if not args.from_store:

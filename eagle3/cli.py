@@ -14,13 +14,13 @@ import sys
 from eagle3.config import ConfigError, load_config
 from eagle3.figures import with_error
 
-__all__ = ["exit_cleanly_on_sigterm", "main", "set_prefect_defaults"]
+__all__ = ["ensure_gpu_limit", "exit_cleanly_on_sigterm", "main", "set_prefect_defaults"]
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 draft models as one cached Prefect flow.")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run the pipeline (default: SmolLM2-135M on a bundled sample, on CPU)")
+    run = commands.add_parser("run", help="run the pipeline (default: SmolLM2-135M on a bundled sample; on CUDA if seen, else CPU)")
     run.add_argument("--config", help="YAML file shaped like PipelineConfig")
     run.add_argument("overrides", nargs="*", help="key.sub=value, e.g. train.lr=1e-4 verifier.path=./my-model")
     limit = commands.add_parser("gpu-limit", help="create or resize the Prefect 'gpu' concurrency limit GPU steps claim")
@@ -42,16 +42,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _gc(args) -> int:
+def _existing_store(path: str | None):
+    """The artifact store at `path` (default: PipelineConfig's store_dir), or None, with a message,
+    if there is none: the commands that only read or prune a store must not create one at a typo."""
+    from pathlib import Path
+
     from eagle3.config import PipelineConfig
+    from eagle3.store import ArtifactStore
+
+    root = Path(path or PipelineConfig().store_dir).expanduser()
+    if not (root / "artifacts").is_dir():
+        print(f"eagle3: {root}: no artifact store here (no artifacts/ directory); pass --store", file=sys.stderr)
+        return None
+    return ArtifactStore(root)
+
+
+def _gc(args) -> int:
     from eagle3.gc import collect_garbage
-    from eagle3.store import ArtifactError, ArtifactStore
+    from eagle3.store import ArtifactError
 
     if args.keep_runs < 1:
         print("eagle3: --keep-runs must be at least 1", file=sys.stderr)
         return 2
+    if (store := _existing_store(args.store)) is None:
+        return 2
     try:
-        result = collect_garbage(ArtifactStore(args.store or PipelineConfig().store_dir), args.keep_runs, args.dry_run)
+        result = collect_garbage(store, args.keep_runs, args.dry_run)
     except ArtifactError as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2
@@ -61,12 +77,12 @@ def _gc(args) -> int:
 
 
 def _lineage(args) -> int:
-    from eagle3.config import PipelineConfig
     from eagle3.lineage import change_summary, lineage, lineage_table, to_mermaid
     from eagle3.runs import lineage_roots
-    from eagle3.store import ArtifactError, ArtifactStore
+    from eagle3.store import ArtifactError
 
-    store = ArtifactStore(args.store or PipelineConfig().store_dir)
+    if (store := _existing_store(args.store)) is None:
+        return 2
     try:
         roots, run_id = lineage_roots(store, args.ref)
         nodes = lineage(store, roots)
@@ -84,11 +100,11 @@ def _lineage(args) -> int:
 
 
 def _promoted(args) -> int:
-    from eagle3.config import PipelineConfig
     from eagle3.promotion import PROMOTIONS, promoted_checkpoints
-    from eagle3.store import ArtifactError, ArtifactStore
+    from eagle3.store import ArtifactError
 
-    store = ArtifactStore(args.store or PipelineConfig().store_dir)
+    if (store := _existing_store(args.store)) is None:
+        return 2
     try:
         best = promoted_checkpoints(store)
     except ArtifactError as exc:
@@ -117,6 +133,25 @@ def _gpu_limit(gpus: int | None) -> int:
         client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, count)
     print(f"Prefect concurrency limit '{GPU_LIMIT}': {count} slot(s)")
     return 0
+
+
+def ensure_gpu_limit(gpus: int) -> None:
+    """Create the 'gpu' limit with `gpus` slots if the server has none, so a GPU host's first
+    `eagle3 run` needs no setup; an existing limit is left as its owner set it (`eagle3 gpu-limit`)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from tasks.gpu import GPU_LIMIT
+
+    if gpus < 1:
+        return
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        except ObjectNotFound:
+            client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, gpus)
+            print(f"eagle3: created the Prefect concurrency limit '{GPU_LIMIT}' with {gpus} slot(s), one per GPU here",
+                  file=sys.stderr)
 
 
 def set_prefect_defaults() -> None:
@@ -153,12 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2
+    import torch
+
+    from eagle3.endpoint import EndpointError
     from eagle3.store import ArtifactError
     from flows.train_draft import train_eagle3_draft
 
+    ensure_gpu_limit(torch.cuda.device_count())
     try:
         result = train_eagle3_draft(config)
-    except (ConfigError, ArtifactError) as exc:
+    except (ConfigError, ArtifactError, EndpointError) as exc:
         # Bad input, not a bug: one line naming the file, record and field; finished steps stay cached.
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2

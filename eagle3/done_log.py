@@ -47,5 +47,8 @@ def read_done(path: Path, unit: str) -> dict:
         except json.JSONDecodeError as exc:
             raise ArtifactError(path, f"line {number} is not JSON ({exc}); delete that line (its {unit} is redone) "
                                       "or the file (all are)") from exc
+        if not isinstance(entry, dict) or "id" not in entry:
+            raise ArtifactError(path, f"line {number}: field 'id' is missing: not a finished {unit}; delete that line "
+                                      f"(its {unit} is redone) or the file (all are)")
         done[entry["id"]] = entry
     return done

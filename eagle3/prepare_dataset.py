@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from jinja2 import TemplateError
 from tqdm import tqdm
 
 from eagle3.config import DatasetConfig
@@ -80,8 +81,12 @@ def read_records(path: Path) -> Iterator[tuple[int, Any]]:
         for i, row in enumerate(pq.read_table(path).to_pylist()):
             yield i, row
         return
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ArtifactError(path, f"record {i} (line {i + 1}): not UTF-8 text (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from exc
             if not line.strip():
                 continue
             try:
@@ -118,15 +123,13 @@ def read_user_turns(path: Path, limit: int | None) -> list[Record]:
             out.append((record_id, [], [record["question"]]))
         elif isinstance(record.get("turns"), list) and all(isinstance(t, str) for t in record["turns"]):
             out.append((record_id, [], list(record["turns"])))
-        elif isinstance(record.get("messages") or record.get("conversations"), list):
-            role_key, text_key = ("role", "content") if "messages" in record else ("from", "value")
-            turns = record.get("messages") or record.get("conversations")
-            roles = [ROLE_ALIASES.get(str(t.get(role_key)).lower()) for t in turns]
-            system = [{"role": "system", "content": t[text_key]} for t, r in zip(turns, roles) if r == "system"]
-            users = [t[text_key] for t, r in zip(turns, roles) if r == "user"]
+        elif "messages" in record or "conversations" in record:
+            _, messages = _normalise(path, index, record)
+            users = [m["content"] for m in messages if m["role"] == "user"]
             if not users:
+                role_key = "role" if "messages" in record else "from"
                 raise ArtifactError(path, f"record {index} (id {record_id!r}): field '{role_key}': no user turn to answer")
-            out.append((record_id, system, users))
+            out.append((record_id, [m for m in messages if m["role"] == "system"], users))
         else:
             raise ArtifactError(path, f"record {index}: no prompt field: expected 'prompt', 'question', 'turns', 'messages' or 'conversations'")
     return out
@@ -231,7 +234,7 @@ def prepare_dataset(
                 continue
             try:
                 ids, mask = build_loss_mask(tokenizer, messages)
-            except ValueError as exc:
+            except (ValueError, TemplateError) as exc:  # e.g. a template that needs alternating roles
                 raise ArtifactError(source, f"record id {record_id!r}: field 'messages': {exc}") from exc
             if len(ids) > cfg.max_seq_len:
                 ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]

@@ -122,6 +122,8 @@ def _answer_batch(model, tokenizer, batch: list[Record], cfg: RegenerateConfig, 
     failed: dict[int, str] = {}
     for turn in range(max(len(users) for _, _, users in batch)):
         active = [b for b, (_, _, users) in enumerate(batch) if turn < len(users) and b not in failed]
+        if not active:  # every record with a later turn failed at an earlier one
+            break
         for b in active:
             conversations[b].append({"role": "user", "content": batch[b][2][turn]})
         for b, (new, reason) in zip(active, _generate(model, tokenizer, [conversations[b] for b in active], cfg, device)):

@@ -87,6 +87,28 @@ def test_unreadable_record_names_file_and_line(tmp_path):
         list(read_conversations(path))
 
 
+def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"messages": [{"role": "user", "content": "a"}]}\n{"messages": "caf\u00e9"}\n'.encode("latin-1"))
+
+    with pytest.raises(ArtifactError, match=r"latin1\.jsonl: record 1 \(line 2\): not UTF-8 text \(byte 17: b'\\xe9'\)"):
+        list(read_conversations(path))
+
+
+def test_a_conversation_the_chat_template_refuses_names_file_and_record(tmp_path):
+    """Templates such as Llama 2's and Mistral's raise on turns that do not alternate."""
+    strict = tiny_tokenizer(
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    )
+    path = write_jsonl(tmp_path / "c.jsonl", [{"id": "twice", "messages": [
+        {"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}])
+
+    with pytest.raises(ArtifactError, match=r"c\.jsonl: record id 'twice': field 'messages': Conversation roles must alternate"):
+        prepare_dataset(DatasetConfig(), path, strict, ArtifactStore(tmp_path / "store"), Provenance())
+
+
 def test_missing_turns_field_names_it(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", [{"id": 3, "text": "hello"}])
 

@@ -142,6 +142,7 @@ def test_records_written_before_the_standard_error_was_kept_still_read(tmp_path)
 
 
 def test_eagle3_promoted_loads_neither_torch_nor_prefect(tmp_path):
+    ArtifactStore(tmp_path)
     check = (f"import sys; from eagle3.cli import main; assert main(['promoted', '--store', {str(tmp_path)!r}]) == 0; "
              "assert not {'torch', 'prefect'} & set(sys.modules), 'loaded'")
 

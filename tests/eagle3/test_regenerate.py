@@ -15,7 +15,7 @@ from eagle3.endpoint import EndpointError
 from eagle3.extract_hidden_states import FAULT_OOM_ENV
 from eagle3.isolation import run_attempt
 from eagle3.prepare_dataset import read_user_turns
-from eagle3.regenerate import RegeneratedManifest, _answer_text, _transformers_attempt, regenerate
+from eagle3.regenerate import RegeneratedManifest, _answer_batch, _answer_text, _transformers_attempt, regenerate
 from eagle3.speculative import greedy_decode
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
@@ -54,6 +54,18 @@ def test_record_without_prompt_names_file_and_record(tmp_path):
         read_user_turns(path, None)
 
 
+@pytest.mark.parametrize("turn, field", [
+    ("hello", r"field 'messages\[0\]' must be an object with 'role' and 'content'"),
+    ({"role": "user"}, r"field 'messages\[0\]' must be an object with 'role' and 'content'"),
+    ({"role": "user", "content": 5}, r"field 'messages\[0\]\.content' must be a string"),
+])
+def test_a_malformed_turn_in_a_prompt_file_names_file_record_and_field(tmp_path, turn, field):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"id": "q1", "messages": [turn]}])
+
+    with pytest.raises(ArtifactError, match=rf"p\.jsonl: record 0 \(id 'q1'\): {field}"):
+        read_user_turns(path, None)
+
+
 def test_a_repeated_id_names_both_records(tmp_path):
     # The third record has no id: its index, 2, is the second record's id.
     path = write_jsonl(tmp_path / "dup.jsonl", [{"id": "x", "prompt": "a"}, {"id": "2", "prompt": "b"}, {"prompt": "c"}])
@@ -80,6 +92,20 @@ def test_regenerated_turns_are_the_verifiers_greedy_answers_in_order(verifier, p
     expected = greedy_decode(model, prompt, CFG.max_new_tokens, {tokenizer.eos_token_id}).tokens
     expected = [t for t in expected if t != tokenizer.eos_token_id]
     assert rows["a"]["messages"][1]["content"] == tokenizer.decode(expected, skip_special_tokens=True).strip()
+
+
+def test_a_record_whose_first_answer_is_empty_fails_alone_and_its_later_turns_are_not_asked(verifier):
+    _, manifest = verifier
+    tokenizer = load_tokenizer(manifest.path)
+    model = load_text_model(manifest.path, torch.float32, "cpu")
+    turns = ["Name a colour.", "Now another one."]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": turns[0]}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"]
+    model.generation_config.eos_token_id = greedy_decode(model, list(prompt), 1, set()).tokens[0]  # ends the answer at once
+
+    entries = _answer_batch(model, tokenizer, [("81", [], turns), ("b", [], ["Name a colour."])], CFG, "cpu")
+
+    assert entries == [{"id": "81", "failed": "empty answer at turn 0"}, {"id": "b", "failed": "empty answer at turn 0"}]
 
 
 def test_a_rerun_after_a_crash_regenerates_only_what_is_missing(verifier, prompts):
@@ -145,12 +171,16 @@ def test_a_torn_last_line_of_the_done_log_is_dropped_and_its_record_redone(verif
     assert sorted(rows) == ["81", "a", "c"] and [m["role"] for m in rows["c"]["messages"]] == ["system", "user", "assistant"]
 
 
-def test_a_corrupt_line_inside_the_done_log_names_file_and_line(verifier, prompts):
+@pytest.mark.parametrize("log, problem", [
+    ('{"id": "a", "mess\n{"id": "c"}\n', r"line 1 is not JSON"),
+    ('{"id": "a", "failed": "x"}\n["c"]\n', r"line 2: field 'id' is missing"),
+])
+def test_a_bad_line_inside_the_done_log_names_file_line_and_problem(verifier, prompts, log, problem):
     store, manifest = verifier
-    provenance = Provenance(config={"run": "corrupt"})
-    (work_dir_path(store, "regenerated", provenance.key) / "done.jsonl").write_text('{"id": "a", "mess\n{"id": "c"}\n')
+    provenance = Provenance(config={"log": log})
+    (work_dir_path(store, "regenerated", provenance.key) / "done.jsonl").write_text(log)
 
-    with pytest.raises(ArtifactError, match=r"done\.jsonl: line 1 is not JSON"):
+    with pytest.raises(ArtifactError, match=rf"done\.jsonl: {problem}"):
         regenerate(CFG, prompts, manifest, store, provenance)
 
 

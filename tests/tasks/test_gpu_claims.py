@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from eagle3.cli import main
+from eagle3.cli import ensure_gpu_limit, main
 from tasks.gpu import GPU_LIMIT, LEASE_SECONDS, claim_gpus, gpu_slots
 
 pytestmark = pytest.mark.e2e
@@ -38,6 +38,24 @@ def test_claiming_without_the_limit_is_an_error_naming_the_fix(no_gpu_limit):
     with pytest.raises(RuntimeError, match=r"concurrency limit 'gpu'.*`eagle3 gpu-limit`"):
         with claim_gpus("cuda"):
             pass
+
+
+def _slots() -> int:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_global_concurrency_limit_by_name(GPU_LIMIT).limit
+
+
+def test_a_gpu_hosts_first_run_creates_the_limit_and_later_runs_keep_what_its_owner_set(no_gpu_limit, capsys):
+    ensure_gpu_limit(2)
+    assert _slots() == 2
+    assert "created the Prefect concurrency limit 'gpu' with 2 slot(s), one per GPU here" in capsys.readouterr().err
+
+    assert main(["gpu-limit", "--gpus", "1"]) == 0
+    ensure_gpu_limit(8)
+    assert _slots() == 1
+    assert "created" not in capsys.readouterr().err
 
 
 def test_claims_on_one_gpu_slot_never_overlap(no_gpu_limit):

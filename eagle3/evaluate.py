@@ -113,12 +113,13 @@ def _gain_row(k: int, draft: Counts, ngram: Counts) -> dict:
 
 
 def _decode_prompts(
-    cfg: EvalConfig, checkpoint: ExportManifest, hidden_states: HiddenStatesManifest, verifier: VerifierManifest, texts: list[str],
-    references: list[list[int]], done: dict, done_log: Path,
+    cfg: EvalConfig, device: str, checkpoint: ExportManifest, hidden_states: HiddenStatesManifest, verifier: VerifierManifest,
+    texts: list[str], references: list[list[int]], done: dict, done_log: Path,
 ) -> dict:
-    """Decode every prompt not in `done` with the draft at each k and measure its first-token
-    accuracy on the greedy output, appending each prompt to `done_log` as it finishes; all entries."""
-    on = DecodingModel.load(verifier, texts, cfg.device, cfg.dtype)
+    """Decode every prompt not in `done` with the draft at each k on `device` and measure its
+    first-token accuracy on the greedy output, appending each prompt to `done_log` as it finishes;
+    all entries."""
+    on = DecodingModel.load(verifier, texts, device, cfg.dtype)
     capture = HiddenStateCapture(on.model.get_decoder(), hidden_states.aux_layer_ids)
     draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, on.device, getattr(torch, cfg.dtype)))
 
@@ -202,8 +203,8 @@ def evaluate(
             done = read_done(done_log, "prompt")
             if len(done) < len(texts):
                 with clock.excluding_wait(claim()) as gpus:
-                    on_device = cfg.model_copy(update={"device": in_process_device(gpus, cfg.device)})
-                    done = _decode_prompts(on_device, checkpoint, hidden_states, verifier, texts, references, done, done_log)
+                    device = in_process_device(gpus, cfg.device)
+                    done = _decode_prompts(cfg, device, checkpoint, hidden_states, verifier, texts, references, done, done_log)
             measured = _summarize(cfg, [done[i] for i in range(len(texts))], references, baselines)
         report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches,
                   "draft_token_accuracy": measured.draft_token_accuracy, "draft_vocab_coverage": measured.draft_vocab_coverage,

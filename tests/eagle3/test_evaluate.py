@@ -374,7 +374,7 @@ def test_a_killed_evaluation_resumes_at_its_first_undecoded_prompt(exported, two
     store, verifier, hidden, checkpoint = exported
     cfg, prompts, baselines = two_prompts
     texts, references = read_prompts(prompts, cfg.num_prompts), baselines.reference()
-    first = evaluate_module._decode_prompts(cfg, checkpoint, hidden, verifier, texts[:1], references[:1], {}, tmp_path / DONE_LOG)[0]
+    first = evaluate_module._decode_prompts(cfg, "cpu", checkpoint, hidden, verifier, texts[:1], references[:1], {}, tmp_path / DONE_LOG)[0]
     provenance, claims = Provenance(config={"run": "evaluation killed after one prompt"}), []
     plant_done_log(store, "evaluation", provenance, [tagged(first, "2", 1000.0)], torn='{"id": 1, "measured_on": "cp')
     full = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "uninterrupted"}), baselines)
@@ -393,7 +393,7 @@ def test_a_killed_evaluation_resumes_at_its_first_undecoded_prompt(exported, two
     claims.clear()
     provenance = Provenance(config={"run": "evaluation killed before publishing"})
     plant_done_log(store, "evaluation", provenance, [first, evaluate_module._decode_prompts(
-        cfg, checkpoint, hidden, verifier, texts, references, {0: first}, tmp_path / "both.jsonl")[1]])
+        cfg, "cpu", checkpoint, hidden, verifier, texts, references, {0: first}, tmp_path / "both.jsonl")[1]])
     assert evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, baselines,
                     claim=lambda: counted_claim(claims)).results[0]["tau"] == full.results[0]["tau"]
     assert claims == []

@@ -296,8 +296,6 @@ def main() -> None:
 
     set_prefect_defaults()
     exit_cleanly_on_sigterm()
-    import torch
-
     from eagle3.store import digest_file
     from flows.train_draft import train_eagle3_draft
 
@@ -313,7 +311,7 @@ def main() -> None:
         cfg = with_extra_training_prompts(cfg, extra, data, store)
     rows, first_run, summary = {}, None, None
     if not args.from_store:
-        ensure_gpu_limit(torch.cuda.device_count())
+        ensure_gpu_limit()
     for name in args.eval_sets:
         prompts = eval_prompts(name, cfg, trained_instructions, data, store)
         if not args.from_store:

@@ -135,14 +135,17 @@ def _gpu_limit(gpus: int | None) -> int:
     return 0
 
 
-def ensure_gpu_limit(gpus: int) -> None:
-    """Create the 'gpu' limit with `gpus` slots if the server has none, so a GPU host's first
-    `eagle3 run` needs no setup; an existing limit is left as its owner set it (`eagle3 gpu-limit`)."""
+def ensure_gpu_limit(gpus: int | None = None) -> None:
+    """Create the 'gpu' limit with `gpus` slots (default: the GPUs this host sees) if the server has
+    none, so a GPU host's first `eagle3 run` needs no setup; an existing limit is left as its owner
+    set it (`eagle3 gpu-limit`)."""
+    import torch
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
     from tasks.gpu import GPU_LIMIT
 
+    gpus = torch.cuda.device_count() if gpus is None else gpus
     if gpus < 1:
         return
     with get_client(sync_client=True) as client:
@@ -188,13 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2
-    import torch
-
     from eagle3.endpoint import EndpointError
     from eagle3.store import ArtifactError
     from flows.train_draft import train_eagle3_draft
 
-    ensure_gpu_limit(torch.cuda.device_count())
+    ensure_gpu_limit()
     try:
         result = train_eagle3_draft(config)
     except (ConfigError, ArtifactError, EndpointError) as exc:

@@ -298,10 +298,10 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _promotion_k_is_evaluated(self) -> PipelineConfig:
-        # Checked here, before any step runs, rather than after an hour of training. A vLLM server's k
-        # is its own: promotion checks it against what the server measured.
-        measured_here = self.evaluate.backend != EvalConfig._server_backend
-        if measured_here and self.promotion.k is not None and self.promotion.k not in self.evaluate.ks:
+        # Checked here, before any step runs, rather than after an hour of training. Where evaluation
+        # ignores ks (a vLLM server's k is its own), promotion checks k against what was measured.
+        ks_read = "ks" not in self.evaluate.ignored_here()
+        if ks_read and self.promotion.k is not None and self.promotion.k not in self.evaluate.ks:
             raise ValueError(f"promotion.k={self.promotion.k} is not among evaluate.ks {self.evaluate.ks}")
         return self
 

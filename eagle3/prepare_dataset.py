@@ -86,7 +86,8 @@ def read_records(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise ArtifactError(path, f"record {i} (line {i + 1}): not UTF-8 text (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from exc
+                bad = raw[exc.start:exc.start + 1]
+                raise ArtifactError(path, f"record {i} (line {i + 1}): not UTF-8 text (byte {exc.start}: {bad!r})") from exc
             if not line.strip():
                 continue
             try:

@@ -4,8 +4,9 @@ tau is all tokens over all verifier passes, each pass yielding its accepted draf
 of the verifier's own. A pass that crosses `max_new_tokens` or an EOS is credited with everything it
 accepted, although decoding keeps only the tokens up to there: vLLM's spec-decode counters count
 acceptance the same way (before its stop check), so both backends measure one thing, and a
-prompt's tokens here can exceed its output by at most k. The prompt is the sampling unit (the passes of one answer are not
-independent), so each prompt is kept as its (tokens, passes) and errors are taken over prompts.
+prompt's tokens here can exceed its output by at most k. The prompt is the sampling unit (the
+passes of one answer are not independent), so each prompt is kept as its (tokens, passes) and
+errors are taken over prompts.
 Pure Python with no torch: `eagle3 promoted` and the benches read these without loading a model.
 """
 

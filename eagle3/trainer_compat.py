@@ -2,7 +2,10 @@
 
 GPU: under torch 2.11's compile the fused loss's forward and backward Triton autotuners share one
 configs list and the first step crashes ("ListVariable ... is already tracked for mutation");
-giving the backward kernel its own list fixes it.
+giving the backward kernel its own list fixes it. speculators compiles the draft's whole forward, and
+its decoder-layer frame gets a graph per KV-cache length and grad mode (14 for a 3-layer draft by the end
+of its first validation); past dynamo's default limit of 8 it runs the frame eagerly without a word, and
+that draft's second validation took 44 s instead of about 3 s on an H200: the limit is raised to 64.
 
 CPU: speculators 0.9.0 assumes an accelerator in three places:
 `Trainer.setup_model`/`train_epoch` move the model and batches to `local_rank` (0, i.e. cuda:0);
@@ -70,11 +73,16 @@ def _separate_fused_loss_autotune_configs() -> None:
     fused.loss_backward_kernel.configs = fused._tile_configs()  # noqa: SLF001
 
 
+def _allow_a_graph_per_cache_length_and_grad_mode() -> None:
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # noqa: SLF001
+
+
 @contextmanager
 def trainer_class(device: torch.device) -> Iterator[type[Trainer]]:
     """The Trainer class to use on `device`, with speculators' accelerator assumptions lifted for CPU."""
     if device.type != "cpu":
         _separate_fused_loss_autotune_configs()
+        _allow_a_graph_per_cache_length_and_grad_mode()
         yield Trainer
         return
     saved = trainer_module._StepTimer, checkpointer_module.get_current_device  # noqa: SLF001

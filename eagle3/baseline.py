@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError
 from tqdm import tqdm
 
 from eagle3 import prepare_dataset, speculative, tau, verifier as verifier_module
@@ -35,7 +36,7 @@ from eagle3.prepare_dataset import read_user_turns
 from eagle3.speculative import DecodeStats, NgramProposer, greedy_decode, speculative_decode
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, step_provenance
 from eagle3.tau import PER_PROMPT, Counts, per_prompt_counts, read_counts, tau_from_counts, tau_standard_error
-from eagle3.verifier import VerifierManifest, eos_token_ids, load_text_model, load_tokenizer
+from eagle3.verifier import VerifierManifest, chat_prompt_ids, eos_token_ids, load_text_model, load_tokenizer
 
 __all__ = [
     "BaselineManifest", "DecodingModel", "baseline_provenance", "decode_remaining", "decode_summary", "device_name",
@@ -98,13 +99,25 @@ class DecodingModel:
     prompts: list[list[int]]
 
     @classmethod
-    def load(cls, verifier: VerifierManifest, texts: list[str], device: str, dtype: str) -> DecodingModel:
+    def load(cls, verifier: VerifierManifest, texts: list[str], source: Path, device: str, dtype: str) -> DecodingModel:
+        """The verifier on `device` and `texts`, the first user turns of `source`'s records, chat-templated.
+
+        Raises:
+            ArtifactError: the verifier's chat template refuses a prompt (named by its record in `source`).
+        """
         tokenizer = load_tokenizer(verifier.path)
+        prompts = []
+        for index, text in enumerate(texts):
+            try:
+                prompts.append(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]))
+            except (ValueError, TemplateError) as exc:
+                record_id = read_user_turns(source, index + 1)[index][0]
+                raise ArtifactError(
+                    source, f"record id {record_id!r}: the verifier's chat template refused its first user turn: {exc}"
+                ) from exc
         resolved = resolve_device(device)
         model = load_text_model(verifier.path, getattr(torch, dtype), resolved)
-        template = dict(add_generation_prompt=True, tokenize=True, return_dict=True)
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], **template)["input_ids"] for t in texts]
-        return cls(model, resolved, eos_token_ids(tokenizer, model), [list(p) for p in prompts])
+        return cls(model, resolved, eos_token_ids(tokenizer, model), prompts)
 
 
 def decode_summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
@@ -179,7 +192,7 @@ def measure_baselines(
         done = read_done(done_log, "prompt")
         if len(done) < len(texts):
             with clock.excluding_wait(claim()) as gpus:
-                on = DecodingModel.load(verifier, texts, in_process_device(gpus, cfg.device), cfg.dtype)
+                on = DecodingModel.load(verifier, texts, prompts_path, in_process_device(gpus, cfg.device), cfg.dtype)
                 done = _decode_prompts(on, cfg, done, done_log)
         entries = [done[i] for i in range(len(texts))]
         references = [DecodeStats(**entry["greedy"]) for entry in entries]

@@ -114,12 +114,12 @@ def _gain_row(k: int, draft: Counts, ngram: Counts) -> dict:
 
 def _decode_prompts(
     cfg: EvalConfig, device: str, checkpoint: ExportManifest, hidden_states: HiddenStatesManifest, verifier: VerifierManifest,
-    texts: list[str], references: list[list[int]], done: dict, done_log: Path,
+    texts: list[str], prompts_path: Path, references: list[list[int]], done: dict, done_log: Path,
 ) -> dict:
     """Decode every prompt not in `done` with the draft at each k on `device` and measure its
     first-token accuracy on the greedy output, appending each prompt to `done_log` as it finishes;
     all entries."""
-    on = DecodingModel.load(verifier, texts, device, cfg.dtype)
+    on = DecodingModel.load(verifier, texts, prompts_path, device, cfg.dtype)
     capture = HiddenStateCapture(on.model.get_decoder(), hidden_states.aux_layer_ids)
     draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, on.device, getattr(torch, cfg.dtype)))
 
@@ -204,7 +204,7 @@ def evaluate(
             if len(done) < len(texts):
                 with clock.excluding_wait(claim()) as gpus:
                     device = in_process_device(gpus, cfg.device)
-                    done = _decode_prompts(cfg, device, checkpoint, hidden_states, verifier, texts, references, done, done_log)
+                    done = _decode_prompts(cfg, device, checkpoint, hidden_states, verifier, texts, prompts_path, references, done, done_log)
             measured = _summarize(cfg, [done[i] for i in range(len(texts))], references, baselines)
         report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches,
                   "draft_token_accuracy": measured.draft_token_accuracy, "draft_vocab_coverage": measured.draft_vocab_coverage,

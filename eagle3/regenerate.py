@@ -18,11 +18,12 @@ not part of the cache key: greedy answers do not depend on it (left padding is m
 backed-off run publishes the same artifact.
 
 Output `conversations.parquet`: `id`, `messages` (list of {role, content}), `finish_reasons`
-(`stop` | `length` per generated turn). Records that fail (a prompt longer than the context, an
-empty answer) are listed in the manifest with their reason, never silently dropped. Finished
-records are appended to `done.jsonl` in the work dir as they complete (by the attempt itself, in
-its child process), so a re-run after a crash, an unreachable server or an out-of-memory failure
-regenerates only what is missing; a last line cut short by a kill is dropped and its record redone.
+(`stop` | `length` per generated turn). Records that fail (a prompt longer than the context, a turn
+the chat template refuses, an empty answer) are listed in the manifest with their reason, never
+silently dropped. Finished records are appended to `done.jsonl` in the work dir as they complete
+(by the attempt itself, in its child process), so a re-run after a crash, an unreachable server or
+an out-of-memory failure regenerates only what is missing; a last line cut short by a kill is
+dropped and its record redone.
 Cost: one decode per generated token.
 """
 
@@ -39,6 +40,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from jinja2 import TemplateError
 from pydantic import Field
 from tqdm import tqdm
 
@@ -50,7 +52,7 @@ from eagle3.extract_hidden_states import FAULT_OOM_ENV, resolve_device
 from eagle3.isolation import NO_GPU, GpuClaim, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import Record, read_user_turns
 from eagle3.store import ArtifactManifest, ArtifactStore, Provenance, Stopwatch
-from eagle3.verifier import VerifierManifest, compute_dtype, eos_token_ids, load_text_model, load_tokenizer
+from eagle3.verifier import VerifierManifest, chat_prompt_ids, compute_dtype, eos_token_ids, load_text_model, load_tokenizer
 
 __all__ = ["RegeneratedManifest", "regenerate", "regenerated_conversations"]
 
@@ -77,9 +79,8 @@ def regenerated_conversations(manifest: RegeneratedManifest) -> Path:
 
 
 @torch.inference_mode()
-def _generate(model, tokenizer, conversations: list[list[dict]], cfg: RegenerateConfig, device) -> list[tuple[list[int], str]]:
-    """Greedy/sampled continuations of each conversation: (new token ids, finish reason)."""
-    prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] for c in conversations]
+def _generate(model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig, device) -> list[tuple[list[int], str]]:
+    """Greedy/sampled continuations of each chat-templated prompt: (new token ids, finish reason)."""
     width = max(map(len, prompts))
     limit = os.environ.get(FAULT_OOM_ENV)  # measured in padded prompt tokens, as extraction's prefill
     if limit and len(prompts) * width > int(limit):
@@ -124,9 +125,16 @@ def _answer_batch(model, tokenizer, batch: list[Record], cfg: RegenerateConfig, 
         active = [b for b, (_, _, users) in enumerate(batch) if turn < len(users) and b not in failed]
         if not active:  # every record with a later turn failed at an earlier one
             break
+        prompts = {}
         for b in active:
             conversations[b].append({"role": "user", "content": batch[b][2][turn]})
-        for b, (new, reason) in zip(active, _generate(model, tokenizer, [conversations[b] for b in active], cfg, device)):
+            try:
+                prompts[b] = chat_prompt_ids(tokenizer, conversations[b])
+            except (ValueError, TemplateError) as exc:  # e.g. a template without a system role
+                failed[b] = f"chat template refused turn {turn}: {exc}"
+        if not prompts:
+            continue
+        for b, (new, reason) in zip(prompts, _generate(model, tokenizer, list(prompts.values()), cfg, device)):
             text = _answer_text(tokenizer.decode(new, skip_special_tokens=True), None, cfg.strip_thinking)
             if not text:
                 failed[b] = f"empty answer at turn {turn}"

@@ -24,6 +24,7 @@ from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Stopwat
 __all__ = [
     "VerifierManifest",
     "bundled_gguf",
+    "chat_prompt_ids",
     "eos_token_ids",
     "load_text_model",
     "load_tokenizer",
@@ -154,6 +155,11 @@ def _weight_index(path: Path) -> dict[str, Path]:
         with safe_open(file, "pt") as f:
             out.update(dict.fromkeys(f.keys(), file))
     return out
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids that prompt the verifier's next assistant turn after `messages`, by its chat template."""
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
 
 
 def eos_token_ids(tokenizer, model) -> set[int]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import CLAIM_WAIT_S, free_port, run_while_another_run_holds_the_step, work_dir_path, write_jsonl
+from tiny_models import CHATML, tiny_llama
 from eagle3.config import EndpointConfig, RegenerateConfig, VerifierConfig
 from eagle3.endpoint import EndpointError
 from eagle3.extract_hidden_states import FAULT_OOM_ENV
@@ -106,6 +107,20 @@ def test_a_record_whose_first_answer_is_empty_fails_alone_and_its_later_turns_ar
     entries = _answer_batch(model, tokenizer, [("81", [], turns), ("b", [], ["Name a colour."])], CFG, "cpu")
 
     assert entries == [{"id": "81", "failed": "empty answer at turn 0"}, {"id": "b", "failed": "empty answer at turn 0"}]
+
+
+def test_a_record_the_chat_template_refuses_fails_alone_with_the_reason(tmp_path):
+    """Gemma's template, for one, raises on a system message; the other records are answered."""
+    no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                 "{% endif %}{% endfor %}" + CHATML)
+    path = tiny_llama(tmp_path / "no-system", template=no_system)
+    tokenizer, model = load_tokenizer(path), load_text_model(path, torch.float32, "cpu")
+    batch = [("sys", [{"role": "system", "content": "Be brief."}], ["Hi", "Again"]), ("plain", [], ["Hi", "Again"])]
+
+    entries = _answer_batch(model, tokenizer, batch, CFG, "cpu")
+
+    assert entries[0] == {"id": "sys", "failed": "chat template refused turn 0: System role not supported"}
+    assert entries[1]["id"] == "plain" and [m["role"] for m in entries[1]["messages"]] == ["user", "assistant", "user", "assistant"]
 
 
 def test_a_rerun_after_a_crash_regenerates_only_what_is_missing(verifier, prompts):

@@ -250,13 +250,19 @@ class ArtifactStore:
         again (None: it did not wait, or the other run did not finish)."""
         kind = manifest_type.model_fields["kind"].default
         with self._held_work_dir(kind, provenance.key) as (path, waited):
-            pointer = self._pointer(kind, provenance.key)
-            done = None
-            if waited and pointer.exists() and (self.artifact_dir(digest := pointer.read_text()) / MANIFEST).exists():
-                logger.warning("%s: another run published it for the same inputs while this one waited; reusing %s", kind, digest[:12])
-                # The stored manifest is its first publisher's, whose provenance may differ (same bytes).
-                done = self.load(manifest_type, digest).model_copy(update=provenance.model_dump())
+            done = self.published(manifest_type, provenance) if waited else None
+            if done is not None:
+                logger.warning("%s: another run published it for the same inputs while this one waited; reusing %s", kind, done.digest[:12])
             yield path, done
+
+    def published(self, manifest_type: type[M], provenance: Provenance) -> M | None:
+        """The artifact published for `provenance`, if the store still holds it (None: never, or deleted).
+        Its stored manifest is its first publisher's, whose provenance may differ (same bytes): the one
+        returned carries `provenance`."""
+        pointer = self._pointer(manifest_type.model_fields["kind"].default, provenance.key)
+        if pointer.exists() and (self.artifact_dir(digest := pointer.read_text()) / MANIFEST).exists():
+            return self.load(manifest_type, digest).model_copy(update=provenance.model_dump())
+        return None
 
     @contextmanager
     def _held_work_dir(self, step: str, key: str) -> Iterator[tuple[Path, bool]]:

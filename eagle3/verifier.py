@@ -14,12 +14,13 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 from eagle3.config import ConfigError, VerifierConfig
-from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Stopwatch
+from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, code_version
 
 __all__ = [
     "VerifierManifest",
@@ -33,7 +34,6 @@ __all__ = [
     "verifier_source",
 ]
 
-CODE_VERSION = "1"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
@@ -108,26 +108,28 @@ def resolve_verifier(cfg: VerifierConfig, store: ArtifactStore) -> VerifierManif
     if not source.exists():
         raise ArtifactError(source, "verifier.path does not exist")
     source_digest = store.input_digest(source)
+    provenance = Provenance(parents={"source": source_digest}, config={"source": str(source)},
+                            code_version=code_version(sys.modules[__name__]))
     if source.suffix != ".gguf":
         _check_hf_dir(source)
-        return _manifest(source, source, source_digest).model_copy(update={"seconds": clock()})
-    with store.work_dir("verifier", source_digest) as work:
+        return _manifest(source, source_digest, provenance).model_copy(update={"seconds": clock()})
+    with store.work_dir("verifier", provenance.key) as work:
+        if (converted := store.published(VerifierManifest, provenance)) is not None:
+            return converted
         if not (work / "config.json").exists():
             _convert_gguf(source, work)
-        return store.publish(work, _manifest(work, source, source_digest).model_copy(update={"seconds": clock()}))
+        return store.publish(work, _manifest(work, source_digest, provenance).model_copy(update={"seconds": clock()}))
 
 
-def _manifest(hf_dir: Path, source: Path, source_digest: str) -> VerifierManifest:
+def _manifest(hf_dir: Path, source_digest: str, provenance: Provenance) -> VerifierManifest:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_dir)
     text = text_config(config)
     return VerifierManifest(
+        **provenance.model_dump(),
         digest=source_digest,
-        code_version=CODE_VERSION,
         path=hf_dir,
-        parents={"source": source_digest},
-        config={"source": str(source)},
         num_hidden_layers=text.num_hidden_layers,
         hidden_size=text.hidden_size,
         vocab_size=text.vocab_size,

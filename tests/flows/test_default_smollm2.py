@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port
+from eagle3 import verifier as verifier_module
 from eagle3.cli import main
+from eagle3.config import VerifierConfig
+from eagle3.store import ArtifactStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -22,7 +25,7 @@ def _manifests(store: Path) -> dict[str, dict]:
 
 
 @pytest.mark.timeout(1800)  # the README's first command at full size: about 5 minutes on 2 cores
-def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, capsys):
+def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, capsys, monkeypatch):
     store = tmp_path / "store"
 
     assert main(["run", f"store_dir={store}"]) == 0
@@ -51,6 +54,13 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     [replay] = (store / "runs").glob("*.yaml")
     assert f"replay: eagle3 run --config {replay}" in printed
     assert "promoted: tau" in printed and "first checkpoint evaluated on this verifier and eval set" in printed
+
+    def convert_again(gguf: Path, out: Path) -> None:
+        raise AssertionError(f"{gguf} was dequantized again")
+
+    monkeypatch.setattr(verifier_module, "_convert_gguf", convert_again)
+    again = verifier_module.resolve_verifier(VerifierConfig(), ArtifactStore(store))  # the library, outside the flow's cache
+    assert (again.digest, str(again.path)) == (verifier["digest"], verifier["path"])
 
 
 def test_bad_input_exits_2_naming_file_record_and_field(prefect_server, tiny_verifier, tmp_path, capsys):

@@ -4,8 +4,9 @@ GPU: under torch 2.11's compile the fused loss's forward and backward Triton aut
 configs list and the first step crashes ("ListVariable ... is already tracked for mutation");
 giving the backward kernel its own list fixes it. speculators compiles the draft's whole forward, and
 its decoder-layer frame gets a graph per KV-cache length and grad mode (14 for a 3-layer draft by the end
-of its first validation); past dynamo's default limit of 8 it runs the frame eagerly without a word, and
-that draft's second validation took 44 s instead of about 3 s on an H200: the limit is raised to 64.
+of its first validation); past dynamo's default limit of 8 it compiles no more (one warning, in the
+draft's `train.log`) and runs inputs no compiled graph fits eagerly: that draft's second validation
+took 44 s instead of about 3 s on an H200. The limit is raised to 64.
 
 CPU: speculators 0.9.0 assumes an accelerator in three places:
 `Trainer.setup_model`/`train_epoch` move the model and batches to `local_rank` (0, i.e. cuda:0);

@@ -22,7 +22,6 @@ from eagle3.prepare_dataset import prepare_dataset
 from eagle3.store import ArtifactError, ArtifactStore, Provenance, step_provenance
 from eagle3.promotion import promote
 from eagle3.train import DraftManifest, _speculators_data_dir, previous_draft, simulated_acceptance_length, train_draft
-from eagle3.train_timing import median_tokens_per_s
 from eagle3.train_worker import OOM_EXIT, TrainSpec
 from eagle3.verifier import load_tokenizer, resolve_verifier
 from eagle3.vocab_mapping import build_vocab_mapping
@@ -95,10 +94,6 @@ def test_training_throughput_counts_tokens_per_second_of_step_time(inputs, draft
     # Steps take part of the step's wall time, so a true tokens-per-second rate covers the trained tokens.
     assert draft.tokens_per_s * draft.seconds > trained_tokens
     assert draft.tokens_per_s < dataset.num_tokens * TRAIN.epochs  # not per millisecond: a step takes > 1 ms here
-
-
-def test_the_draft_keeps_the_step_timings_its_speed_is_computed_from(draft):
-    assert median_tokens_per_s(draft.path / "timing.jsonl") == draft.tokens_per_s
 
 
 def test_training_time_is_split_into_phases_that_add_up_to_the_step(draft):

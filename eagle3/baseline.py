@@ -181,7 +181,8 @@ def measure_baselines(
     and claims no GPU if none is left.
 
     Raises:
-        ArtifactError: the prompts file or the log of finished prompts is malformed.
+        ArtifactError: the prompts file or the log of finished prompts is malformed, or the
+            verifier's chat template refuses a prompt.
     """
     texts = read_prompts(prompts_path, cfg.num_prompts)
     with store.step_work_dir(BaselineManifest, provenance) as (work, published):

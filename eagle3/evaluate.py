@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3 import baseline, endpoint, served_acceptance, speculative, tau
+from eagle3 import baseline, endpoint, served_acceptance, speculative, tau, verifier as verifier_module
 from eagle3.baseline import BaselineManifest, DecodingModel, decode_remaining, decode_summary, read_prompts
 from eagle3.config import EvalConfig
 from eagle3.done_log import DONE_LOG, read_done
@@ -52,7 +52,7 @@ __all__ = ["EvalManifest", "eval_prompts_source", "evaluate", "load_draft"]
 
 logger = logging.getLogger(__name__)
 # What else computes the numbers: a change to any of them re-measures.
-CODE_DEPENDENCIES = (speculative, served_acceptance, endpoint, baseline, tau)
+CODE_DEPENDENCIES = (speculative, served_acceptance, endpoint, baseline, tau, verifier_module)
 
 
 class EvalManifest(ArtifactManifest):
@@ -179,8 +179,9 @@ def evaluate(
     it finishes: a run killed midway resumes at the next prompt, and claims no GPU if none is left.
 
     Raises:
-        ArtifactError: the prompts file or the log of finished prompts is malformed, the baselines
-            are of other prompts, or the server rejected a prompt.
+        ArtifactError: the prompts file or the log of finished prompts is malformed, the verifier's
+            chat template refuses a prompt, the baselines are of other prompts, or the server
+            rejected a prompt.
         ValueError: backend 'transformers' without `baselines`.
         EndpointError: (backend 'vllm') the server is unreachable, does not serve
             `endpoint.model`, or runs without a draft.

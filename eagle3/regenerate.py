@@ -51,7 +51,7 @@ from eagle3.endpoint import EndpointError, RequestRejected, chat, open_client
 from eagle3.extract_hidden_states import FAULT_OOM_ENV, resolve_device
 from eagle3.isolation import NO_GPU, GpuClaim, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import Record, read_user_turns
-from eagle3.store import ArtifactManifest, ArtifactStore, Provenance, Stopwatch
+from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.verifier import VerifierManifest, chat_prompt_ids, compute_dtype, eos_token_ids, load_text_model, load_tokenizer
 
 __all__ = ["RegeneratedManifest", "regenerate", "regenerated_conversations"]
@@ -255,7 +255,8 @@ def regenerate(
     this process on `cfg.device`). `on_progress(records_done, records_total)` is called as records finish.
 
     Raises:
-        ArtifactError: a record of `source` has no user turn to answer, or `done.jsonl` is corrupt.
+        ArtifactError: a record of `source` has no user turn to answer, every record failed, or
+            `done.jsonl` is corrupt.
         EndpointError: (backend 'openai') the server is unreachable or does not serve
             `endpoint.model`; the records finished so far are kept for the re-run.
         RuntimeError: (backend 'transformers') out of memory even at `cfg.min_batch_size`; the
@@ -287,6 +288,12 @@ def regenerate(
             done = read_done(done_log, "record")
 
         ok = [done[r[0]] for r in records if "failed" not in done[r[0]]]
+        if records and not ok:
+            first_id = records[0][0]
+            raise ArtifactError(
+                source, f"every record failed, record id {first_id!r} with: {done[first_id]['failed']}. Nothing is published; "
+                f"the failures are kept in {done_log} (delete it to try them again)."
+            )
         out = work / "artifact"
         out.mkdir(exist_ok=True)
         pq.write_table(

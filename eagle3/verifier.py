@@ -77,6 +77,11 @@ def _check_hf_dir(path: Path) -> None:
         )
     if not list(path.glob("*.safetensors")):
         raise ArtifactError(path, "no *.safetensors weights found")
+    if load_tokenizer(path).chat_template is None:
+        raise ArtifactError(
+            path, "the tokenizer has no chat template: conversations are tokenized, regenerated and evaluated "
+            "through it. Use an instruct/chat model, or set tokenizer.chat_template and save it beside the weights."
+        )
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -101,7 +106,8 @@ def resolve_verifier(cfg: VerifierConfig, store: ArtifactStore) -> VerifierManif
     """Return a manifest pointing at an HF directory for the configured verifier.
 
     Raises:
-        ArtifactError: the path does not exist, or the directory lacks config, weights or tokenizer.
+        ArtifactError: the path does not exist, or the directory lacks config, weights, tokenizer or
+            a chat template.
     """
     clock = Stopwatch()
     source = verifier_source(cfg)
@@ -118,6 +124,7 @@ def resolve_verifier(cfg: VerifierConfig, store: ArtifactStore) -> VerifierManif
             return converted
         if not (work / "config.json").exists():
             _convert_gguf(source, work)
+        _check_hf_dir(work)
         return store.publish(work, _manifest(work, source_digest, provenance).model_copy(update={"seconds": clock()}))
 
 

@@ -34,7 +34,7 @@ def sample_texts() -> list[str]:
     return texts
 
 
-def tiny_tokenizer(template: str = CHATML, vocab_size: int = 1024, ascii_only: bool = False):
+def tiny_tokenizer(template: str | None = CHATML, vocab_size: int = 1024, ascii_only: bool = False):
     """`ascii_only`: no token holds part of a multi-byte character, so any token sequence a random
     model emits decodes to whole characters (a server's streaming detokenizer holds partial ones back)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -64,7 +64,7 @@ def _llama_config(vocab_size: int, num_layers: int, hidden: int):
                        max_position_embeddings=2048, tie_word_embeddings=False)
 
 
-def tiny_llama(out: Path, num_layers: int = 4, hidden: int = 64, template: str = CHATML, ascii_only: bool = False) -> Path:
+def tiny_llama(out: Path, num_layers: int = 4, hidden: int = 64, template: str | None = CHATML, ascii_only: bool = False) -> Path:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)

@@ -22,6 +22,8 @@ from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
 
 CFG = RegenerateConfig(enabled=True, max_new_tokens=12, batch_size=2)
+NO_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+             "{% endif %}{% endfor %}" + CHATML)
 
 
 @pytest.fixture
@@ -111,9 +113,7 @@ def test_a_record_whose_first_answer_is_empty_fails_alone_and_its_later_turns_ar
 
 def test_a_record_the_chat_template_refuses_fails_alone_with_the_reason(tmp_path):
     """Gemma's template, for one, raises on a system message; the other records are answered."""
-    no_system = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-                 "{% endif %}{% endfor %}" + CHATML)
-    path = tiny_llama(tmp_path / "no-system", template=no_system)
+    path = tiny_llama(tmp_path / "no-system", template=NO_SYSTEM)
     tokenizer, model = load_tokenizer(path), load_text_model(path, torch.float32, "cpu")
     batch = [("sys", [{"role": "system", "content": "Be brief."}], ["Hi", "Again"]), ("plain", [], ["Hi", "Again"])]
 
@@ -121,6 +121,18 @@ def test_a_record_the_chat_template_refuses_fails_alone_with_the_reason(tmp_path
 
     assert entries[0] == {"id": "sys", "failed": "chat template refused turn 0: System role not supported"}
     assert entries[1]["id"] == "plain" and [m["role"] for m in entries[1]["messages"]] == ["user", "assistant", "user", "assistant"]
+
+
+def test_a_run_in_which_every_record_fails_publishes_nothing_and_says_why(tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_llama(tmp_path / "no-system", template=NO_SYSTEM))), store)
+    source = write_jsonl(tmp_path / "p.jsonl", [{"id": "s", "messages": [{"role": "system", "content": "Be brief."},
+                                                                        {"role": "user", "content": "Hi"}]}])
+
+    with pytest.raises(ArtifactError, match=r"p\.jsonl: every record failed, record id 's' with: chat template refused turn 0: "
+                                            r"System role not supported\. Nothing is published"):
+        regenerate(CFG, source, verifier, store, Provenance())
+    assert not list((store.root / "published").glob("regenerated-*"))
 
 
 def test_a_rerun_after_a_crash_regenerates_only_what_is_missing(verifier, prompts):

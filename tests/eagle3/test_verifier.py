@@ -4,6 +4,7 @@ import shutil
 
 import pytest
 
+from tiny_models import tiny_llama
 from eagle3.config import VerifierConfig
 from eagle3.store import ArtifactError, ArtifactStore
 from eagle3.verifier import resolve_verifier
@@ -16,6 +17,13 @@ def test_missing_tokenizer_names_the_directory(tiny_verifier, tmp_path):
 
     with pytest.raises(ArtifactError, match=r"no-tokenizer: missing tokenizer"):
         resolve_verifier(VerifierConfig(path=str(broken)), ArtifactStore(tmp_path / "s"))
+
+
+def test_a_tokenizer_without_chat_template_is_refused_naming_the_directory(tmp_path):
+    base = tiny_llama(tmp_path / "base-model", template=None)
+
+    with pytest.raises(ArtifactError, match=r"base-model: the tokenizer has no chat template"):
+        resolve_verifier(VerifierConfig(path=str(base)), ArtifactStore(tmp_path / "s"))
 
 
 def test_missing_path_is_named(tmp_path):

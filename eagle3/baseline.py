@@ -39,7 +39,7 @@ from eagle3.tau import PER_PROMPT, Counts, per_prompt_counts, read_counts, tau_f
 from eagle3.verifier import VerifierManifest, chat_prompt_ids, eos_token_ids, load_text_model, load_tokenizer
 
 __all__ = [
-    "BaselineManifest", "DecodingModel", "baseline_provenance", "decode_remaining", "decode_summary", "device_name",
+    "BaselineManifest", "DecodingModel", "baseline_provenance", "chat_prompts", "decode_remaining", "decode_summary", "device_name",
     "measure_baselines", "read_prompts",
 ]
 
@@ -99,25 +99,31 @@ class DecodingModel:
     prompts: list[list[int]]
 
     @classmethod
-    def load(cls, verifier: VerifierManifest, texts: list[str], source: Path, device: str, dtype: str) -> DecodingModel:
-        """The verifier on `device` and `texts`, the first user turns of `source`'s records, chat-templated.
-
-        Raises:
-            ArtifactError: the verifier's chat template refuses a prompt (named by its record in `source`).
-        """
+    def load(cls, verifier: VerifierManifest, prompts: list[list[int]], device: str, dtype: str) -> DecodingModel:
         tokenizer = load_tokenizer(verifier.path)
-        prompts = []
-        for index, text in enumerate(texts):
-            try:
-                prompts.append(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]))
-            except (ValueError, TemplateError) as exc:
-                record_id = read_user_turns(source, index + 1)[index][0]
-                raise ArtifactError(
-                    source, f"record id {record_id!r}: the verifier's chat template refused its first user turn: {exc}"
-                ) from exc
         resolved = resolve_device(device)
         model = load_text_model(verifier.path, getattr(torch, dtype), resolved)
         return cls(model, resolved, eos_token_ids(tokenizer, model), prompts)
+
+
+def chat_prompts(verifier: VerifierManifest, texts: list[str], source: Path) -> list[list[int]]:
+    """`texts`, the first user turns of `source`'s records, as the verifier's chat template prompts them;
+    done before a step claims a GPU, so a prompt the template refuses fails at once.
+
+    Raises:
+        ArtifactError: the template refuses a prompt (named by its record in `source`).
+    """
+    tokenizer = load_tokenizer(verifier.path)
+    prompts = []
+    for index, text in enumerate(texts):
+        try:
+            prompts.append(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]))
+        except (ValueError, TemplateError) as exc:
+            record_id = read_user_turns(source, index + 1)[index][0]
+            raise ArtifactError(
+                source, f"record id {record_id!r}: the verifier's chat template refused its first user turn: {exc}"
+            ) from exc
+    return prompts
 
 
 def decode_summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
@@ -184,18 +190,18 @@ def measure_baselines(
         ArtifactError: the prompts file or the log of finished prompts is malformed, or the
             verifier's chat template refuses a prompt.
     """
-    texts = read_prompts(prompts_path, cfg.num_prompts)
+    prompts = chat_prompts(verifier, read_prompts(prompts_path, cfg.num_prompts), prompts_path)
     with store.step_work_dir(BaselineManifest, provenance) as (work, published):
         if published is not None:
             return published
         clock = Stopwatch()  # not counting a wait for another run of this step, or for a GPU
         done_log = work / DONE_LOG
         done = read_done(done_log, "prompt")
-        if len(done) < len(texts):
+        if len(done) < len(prompts):
             with clock.excluding_wait(claim()) as gpus:
-                on = DecodingModel.load(verifier, texts, prompts_path, in_process_device(gpus, cfg.device), cfg.dtype)
+                on = DecodingModel.load(verifier, prompts, in_process_device(gpus, cfg.device), cfg.dtype)
                 done = _decode_prompts(on, cfg, done, done_log)
-        entries = [done[i] for i in range(len(texts))]
+        entries = [done[i] for i in range(len(prompts))]
         references = [DecodeStats(**entry["greedy"]) for entry in entries]
         ngram = {k: [DecodeStats(**entry["ngram"][str(k)]) for entry in entries] for k in cfg.ks}
         mismatches = sum(run.tokens != reference.tokens for runs in ngram.values() for run, reference in zip(runs, references))
@@ -211,7 +217,7 @@ def measure_baselines(
             BaselineManifest(
                 **provenance.model_dump(),
                 path=out,
-                num_prompts=len(texts),
+                num_prompts=len(prompts),
                 num_tokens=num_tokens,
                 greedy_tokens_per_s=num_tokens / sum(r.seconds for r in references),
                 results=[decode_summary("ngram", k, runs) for k, runs in ngram.items()],

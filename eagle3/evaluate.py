@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from eagle3 import baseline, endpoint, served_acceptance, speculative, tau, verifier as verifier_module
-from eagle3.baseline import BaselineManifest, DecodingModel, decode_remaining, decode_summary, read_prompts
+from eagle3.baseline import BaselineManifest, DecodingModel, chat_prompts, decode_remaining, decode_summary, read_prompts
 from eagle3.config import EvalConfig
 from eagle3.done_log import DONE_LOG, read_done
 from eagle3.export import ExportManifest
@@ -114,12 +114,12 @@ def _gain_row(k: int, draft: Counts, ngram: Counts) -> dict:
 
 def _decode_prompts(
     cfg: EvalConfig, device: str, checkpoint: ExportManifest, hidden_states: HiddenStatesManifest, verifier: VerifierManifest,
-    texts: list[str], prompts_path: Path, references: list[list[int]], done: dict, done_log: Path,
+    prompts: list[list[int]], references: list[list[int]], done: dict, done_log: Path,
 ) -> dict:
     """Decode every prompt not in `done` with the draft at each k on `device` and measure its
     first-token accuracy on the greedy output, appending each prompt to `done_log` as it finishes;
     all entries."""
-    on = DecodingModel.load(verifier, texts, prompts_path, device, cfg.dtype)
+    on = DecodingModel.load(verifier, prompts, device, cfg.dtype)
     capture = HiddenStateCapture(on.model.get_decoder(), hidden_states.aux_layer_ids)
     draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, on.device, getattr(torch, cfg.dtype)))
 
@@ -189,6 +189,7 @@ def evaluate(
     if cfg.backend == "transformers" and baselines is None:
         raise ValueError("backend 'transformers' compares the draft with baselines: pass `baselines` (eagle3.baseline)")
     texts = read_prompts(prompts_path, cfg.num_prompts)
+    prompts = chat_prompts(verifier, texts, prompts_path) if cfg.backend == "transformers" else None  # a server templates its own
     with store.step_work_dir(EvalManifest, provenance) as (work, published):
         if published is not None:
             return published
@@ -205,7 +206,7 @@ def evaluate(
             if len(done) < len(texts):
                 with clock.excluding_wait(claim()) as gpus:
                     device = in_process_device(gpus, cfg.device)
-                    done = _decode_prompts(cfg, device, checkpoint, hidden_states, verifier, texts, prompts_path, references, done, done_log)
+                    done = _decode_prompts(cfg, device, checkpoint, hidden_states, verifier, prompts, references, done, done_log)
             measured = _summarize(cfg, [done[i] for i in range(len(texts))], references, baselines)
         report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches,
                   "draft_token_accuracy": measured.draft_token_accuracy, "draft_vocab_coverage": measured.draft_vocab_coverage,

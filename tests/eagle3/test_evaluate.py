@@ -12,7 +12,7 @@ from conftest import CLAIM_WAIT_S, SAMPLE, run_while_another_run_holds_the_step,
 from tiny_models import CHATML, tiny_llama
 from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
 from eagle3 import baseline, evaluate as evaluate_module
-from eagle3.baseline import DecodingModel, measure_baselines, read_prompts
+from eagle3.baseline import DecodingModel, chat_prompts, measure_baselines, read_prompts
 from eagle3.evaluate import EvalManifest, eval_prompts_source, evaluate, load_draft
 from eagle3.done_log import DONE_LOG
 from eagle3.endpoint import EndpointError
@@ -203,16 +203,18 @@ def two_prompts(exported):
     return cfg, prompts, measure_baselines(cfg, verifier, prompts, store, Provenance(config={"prompts": "two"}))
 
 
-def test_a_prompt_the_chat_template_refuses_names_file_and_record_before_the_verifier_loads(tmp_path):
+def test_a_prompt_the_chat_template_refuses_names_file_and_record_before_a_gpu_is_claimed(tmp_path):
     """Some templates insist on a system message first; eval prompts are single user turns."""
     needs_system = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}" + CHATML
     store = ArtifactStore(tmp_path / "store")
     verifier = resolve_verifier(VerifierConfig(path=str(tiny_llama(tmp_path / "strict", template=needs_system))), store)
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"question_id": 81, "turns": ["Hi"]}, {"prompt": "Bye"}])
+    claims = []
 
     with pytest.raises(ArtifactError, match=r"prompts\.jsonl: record id '81': the verifier's chat template refused its first "
                                             r"user turn: a system message must come first"):
-        measure_baselines(EvalConfig(num_prompts=2), verifier, prompts, store, Provenance())
+        measure_baselines(EvalConfig(num_prompts=2), verifier, prompts, store, Provenance(), claim=lambda: counted_claim(claims))
+    assert claims == []
 
 
 def test_baselines_hold_the_verifiers_plain_greedy_output_of_each_chat_templated_prompt(exported, two_prompts):
@@ -325,7 +327,7 @@ def baseline_entries(exported, two_prompts, tmp_path_factory):
     """Each prompt's finished baseline decodes, logged by the step's own per-prompt loop."""
     _, verifier, _, _ = exported
     cfg, prompts, _ = two_prompts
-    on = DecodingModel.load(verifier, read_prompts(prompts, cfg.num_prompts), prompts, cfg.device, cfg.dtype)
+    on = DecodingModel.load(verifier, chat_prompts(verifier, read_prompts(prompts, cfg.num_prompts), prompts), cfg.device, cfg.dtype)
     done = baseline._decode_prompts(on, cfg, {}, tmp_path_factory.mktemp("baseline_log") / DONE_LOG)
     return [done[0], done[1]]
 
@@ -386,8 +388,8 @@ def test_a_run_resumed_on_another_device_decodes_the_logged_prompts_again(export
 def test_a_killed_evaluation_resumes_at_its_first_undecoded_prompt(exported, two_prompts, tmp_path):
     store, verifier, hidden, checkpoint = exported
     cfg, prompts, baselines = two_prompts
-    texts, references = read_prompts(prompts, cfg.num_prompts), baselines.reference()
-    first = evaluate_module._decode_prompts(cfg, "cpu", checkpoint, hidden, verifier, texts[:1], prompts, references[:1], {}, tmp_path / DONE_LOG)[0]
+    ids, references = chat_prompts(verifier, read_prompts(prompts, cfg.num_prompts), prompts), baselines.reference()
+    first = evaluate_module._decode_prompts(cfg, "cpu", checkpoint, hidden, verifier, ids[:1], references[:1], {}, tmp_path / DONE_LOG)[0]
     provenance, claims = Provenance(config={"run": "evaluation killed after one prompt"}), []
     plant_done_log(store, "evaluation", provenance, [tagged(first, "2", 1000.0)], torn='{"id": 1, "measured_on": "cp')
     full = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "uninterrupted"}), baselines)
@@ -406,7 +408,7 @@ def test_a_killed_evaluation_resumes_at_its_first_undecoded_prompt(exported, two
     claims.clear()
     provenance = Provenance(config={"run": "evaluation killed before publishing"})
     plant_done_log(store, "evaluation", provenance, [first, evaluate_module._decode_prompts(
-        cfg, "cpu", checkpoint, hidden, verifier, texts, prompts, references, {0: first}, tmp_path / "both.jsonl")[1]])
+        cfg, "cpu", checkpoint, hidden, verifier, ids, references, {0: first}, tmp_path / "both.jsonl")[1]])
     assert evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, baselines,
                     claim=lambda: counted_claim(claims)).results[0]["tau"] == full.results[0]["tau"]
     assert claims == []

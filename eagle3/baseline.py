@@ -27,10 +27,10 @@ import torch
 from jinja2 import TemplateError
 from tqdm import tqdm
 
-from eagle3 import prepare_dataset, speculative, tau, verifier as verifier_module
+from eagle3 import prepare_dataset, speculative, tau, verifier as verifier_module, verifier_forward
 from eagle3.config import EvalConfig
 from eagle3.done_log import DONE_LOG, append_done, read_done
-from eagle3.extract_hidden_states import resolve_device
+from eagle3.extract_hidden_states import HiddenStateCapture, resolve_device
 from eagle3.isolation import NO_GPU, GpuClaim, in_process_device
 from eagle3.prepare_dataset import read_user_turns
 from eagle3.speculative import DecodeStats, NgramProposer, greedy_decode, speculative_decode
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-CODE_DEPENDENCIES = (speculative, prepare_dataset, verifier_module, tau)
+CODE_DEPENDENCIES = (speculative, verifier_forward, prepare_dataset, verifier_module, tau)
 REFERENCE = "reference.json"
 
 
@@ -104,6 +104,10 @@ class DecodingModel:
         resolved = resolve_device(device)
         model = load_text_model(verifier.path, getattr(torch, dtype), resolved)
         return cls(model, resolved, eos_token_ids(tokenizer, model), prompts)
+
+    def forward(self, capture: HiddenStateCapture | None, max_new_tokens: int):
+        """The verifier's forward for decoding these prompts, `max_new_tokens` tokens each."""
+        return verifier_forward.forward_for(self.model, capture, max(map(len, self.prompts)) + max_new_tokens, self.prompts[0])
 
 
 def chat_prompts(verifier: VerifierManifest, texts: list[str], source: Path) -> list[list[int]]:
@@ -168,11 +172,12 @@ def decode_remaining(num_prompts: int, device: torch.device, done: dict, done_lo
 
 def _decode_prompts(on: DecodingModel, cfg: EvalConfig, done: dict, done_log: Path) -> dict:
     """Plain greedy and n-gram decodes of every prompt not in `done`; all entries."""
+    forward = on.forward(None, cfg.max_new_tokens)
 
     def decode(i: int) -> dict:
         prompt = on.prompts[i]
-        greedy = greedy_decode(on.model, prompt, cfg.max_new_tokens, on.eos_ids)
-        ngram = {k: speculative_decode(on.model, None, NgramProposer(), prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
+        greedy = greedy_decode(forward, prompt, cfg.max_new_tokens, on.eos_ids)
+        ngram = {k: speculative_decode(forward, NgramProposer(), prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
         return {"greedy": asdict(greedy), "ngram": {str(k): asdict(stats) for k, stats in ngram.items()}}
 
     return decode_remaining(len(on.prompts), on.device, done, done_log, "baselines", decode)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3 import baseline, endpoint, served_acceptance, speculative, tau, verifier as verifier_module
+from eagle3 import baseline, endpoint, served_acceptance, speculative, tau, verifier as verifier_module, verifier_forward
 from eagle3.baseline import BaselineManifest, DecodingModel, chat_prompts, decode_remaining, decode_summary, read_prompts
 from eagle3.config import EvalConfig
 from eagle3.done_log import DONE_LOG, read_done
@@ -52,7 +52,7 @@ __all__ = ["EvalManifest", "eval_prompts_source", "evaluate", "load_draft"]
 
 logger = logging.getLogger(__name__)
 # What else computes the numbers: a change to any of them re-measures.
-CODE_DEPENDENCIES = (speculative, served_acceptance, endpoint, baseline, tau, verifier_module)
+CODE_DEPENDENCIES = (speculative, verifier_forward, served_acceptance, endpoint, baseline, tau, verifier_module)
 
 
 class EvalManifest(ArtifactManifest):
@@ -122,12 +122,13 @@ def _decode_prompts(
     on = DecodingModel.load(verifier, prompts, device, cfg.dtype)
     capture = HiddenStateCapture(on.model.get_decoder(), hidden_states.aux_layer_ids)
     draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, on.device, getattr(torch, cfg.dtype)))
+    forward = on.forward(capture, cfg.max_new_tokens)
 
     def decode(i: int) -> dict:
         prompt, reference = on.prompts[i], references[i]
         correct, drafted = draft_token_accuracy(on.model, capture, draft, prompt, reference)
         covered = draft.in_vocabulary(reference[1:])  # the positions draft_token_accuracy counts
-        runs = {k: speculative_decode(on.model, capture, draft, prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
+        runs = {k: speculative_decode(forward, draft, prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
         return {"runs": {str(k): asdict(run) for k, run in runs.items()}, "correct": correct, "drafted": drafted, "covered": covered}
 
     try:

@@ -147,36 +147,28 @@ class Eagle3Proposer:
         return self._to_verifier_ids(logits[0].argmax(-1))
 
 
-def _forward(model, capture: HiddenStateCapture | None, ids: list[int], cache, device):
-    out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True)
-    aux = capture.stacked()[0, :, :-1].float() if capture else None  # [len(ids), 3, H]: aux slots only
-    return out.logits[0].argmax(-1).tolist(), aux
-
-
 @torch.inference_mode()
-def speculative_decode(
-    model, capture: HiddenStateCapture | None, proposer, prompt: list[int], max_new_tokens: int, k: int, eos_ids: set[int]
-) -> DecodeStats:
+def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int, k: int, eos_ids: set[int]) -> DecodeStats:
     """Generate greedily with drafts from `proposer`; stops at an EOS token or `max_new_tokens`.
-    `capture`: the verifier's aux hidden states, which an EAGLE-3 proposer reads (None: n-gram)."""
-    device = next(model.parameters()).device
+    `forward`: the verifier's (`eagle3.verifier_forward`), whose aux hidden states an EAGLE-3 proposer
+    reads (none for n-gram)."""
     start = time.perf_counter()
-    cache = DynamicCache()
+    forward.reset()
     proposer.reset(len(prompt))
-    argmax, aux = _forward(model, capture, prompt, cache, device)
+    argmax, aux = forward(prompt)
     proposer.observe(aux)
     context = prompt + [argmax[-1]]
     stats = DecodeStats(tokens=[argmax[-1]])
     while len(stats.tokens) < max_new_tokens and stats.tokens[-1] not in eos_ids:
         drafts = proposer.propose(context, min(k, max_new_tokens - len(stats.tokens)))
-        argmax, aux = _forward(model, capture, [context[-1], *drafts], cache, device)
+        argmax, aux = forward([context[-1], *drafts])
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == argmax[accepted]:
             accepted += 1
         new = drafts[:accepted] + [argmax[accepted]]
         rejected = len(drafts) - accepted
         if rejected:
-            cache.crop(-rejected)
+            forward.rollback(rejected)
         proposer.observe(None if aux is None else aux[: accepted + 1])
         stats.verifier_passes += 1
         stats.accepted_per_pass.append(accepted)
@@ -205,14 +197,11 @@ def draft_token_accuracy(model, capture: HiddenStateCapture, proposer: Eagle3Pro
 
 
 @torch.inference_mode()
-def greedy_decode(model, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeStats:
+def greedy_decode(forward, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeStats:
     """Plain greedy decoding, one verifier pass per token: the reference output and speed."""
-    device = next(model.parameters()).device
     start = time.perf_counter()
-    cache = DynamicCache()
-    out = model(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True)
-    tokens = [int(out.logits[0, -1].argmax())]
+    forward.reset()
+    tokens = [forward(prompt)[0][-1]]
     while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
-        out = model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=cache, use_cache=True)
-        tokens.append(int(out.logits[0, -1].argmax()))
+        tokens.append(forward([tokens[-1]])[0][0])
     return DecodeStats(tokens=tokens, verifier_passes=len(tokens), seconds=time.perf_counter() - start)

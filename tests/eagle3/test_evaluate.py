@@ -25,6 +25,7 @@ from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.tau import tau_from_counts
 from eagle3.train import train_draft
 from eagle3.verifier import eos_token_ids, load_text_model, load_tokenizer, resolve_verifier
+from eagle3.verifier_forward import DynamicForward, forward_for
 from eagle3.vocab_mapping import build_vocab_mapping
 
 AUX = [1, 2, 3]
@@ -76,22 +77,23 @@ def test_speculative_output_equals_plain_greedy_for_every_proposer(exported, ver
     store, verifier, hidden, checkpoint = exported
     model, capture = verifier_model
     draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double())
-    reference = greedy_decode(model, PROMPT, 40, set())
+    forward = forward_for(model, capture, len(PROMPT) + 40, PROMPT)
+    reference = greedy_decode(forward, PROMPT, 40, set())
     hf = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, eos_token_id=None)[0, len(PROMPT):]
 
     assert reference.tokens == hf.tolist()
     for proposer in (draft, NgramProposer()):
         for k in (1, 3, 5):
-            run = speculative_decode(model, capture, proposer, PROMPT, 40, k, set())
+            run = speculative_decode(forward, proposer, PROMPT, 40, k, set())
             assert run.tokens == reference.tokens, (type(proposer).__name__, k)
 
 
 def test_acceptance_is_counted_per_verifier_pass(verifier_model):
-    model, capture = verifier_model
-    reference = greedy_decode(model, PROMPT, 25, set()).tokens
+    forward = forward_for(*verifier_model, len(PROMPT) + 25, PROMPT)
+    reference = greedy_decode(forward, PROMPT, 25, set()).tokens
 
-    oracle = speculative_decode(model, capture, OracleProposer(reference, len(PROMPT)), PROMPT, 25, 4, set())
-    nothing = speculative_decode(model, capture, NgramProposer(max_n=99, min_n=99), PROMPT, 25, 4, set())
+    oracle = speculative_decode(forward, OracleProposer(reference, len(PROMPT)), PROMPT, 25, 4, set())
+    nothing = speculative_decode(forward, NgramProposer(max_n=99, min_n=99), PROMPT, 25, 4, set())
 
     assert oracle.tokens == reference
     assert oracle.accepted_per_pass[:4] == [4, 4, 4, 4] and oracle.verifier_passes == 5
@@ -226,7 +228,7 @@ def test_baselines_hold_the_verifiers_plain_greedy_output_of_each_chat_templated
 
     for text, reference in zip(["What is 2 + 3?", "Count to five."], baselines.reference(), strict=True):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        assert reference == greedy_decode(model, list(prompt), cfg.max_new_tokens, eos).tokens
+        assert reference == greedy_decode(DynamicForward(model, None), list(prompt), cfg.max_new_tokens, eos).tokens
     assert baselines.num_tokens == sum(map(len, baselines.reference()))
     assert [(r["method"], r["k"]) for r in baselines.results] == [("ngram", 2), ("ngram", 4)]
     assert baselines.mismatches == 0 and baselines.measured_on.startswith("cpu")

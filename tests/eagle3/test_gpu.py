@@ -19,10 +19,11 @@ from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_stat
 from eagle3.isolation import fixed_devices
 from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
 from eagle3.regenerate import regenerate
-from eagle3.speculative import Eagle3Proposer, greedy_decode, speculative_decode
+from eagle3.speculative import Eagle3Proposer, NgramProposer, greedy_decode, speculative_decode
 from eagle3.store import ArtifactStore, Provenance
 from eagle3.train import train_draft
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
+from eagle3.verifier_forward import StaticForward, forward_for
 from eagle3.vocab_mapping import build_vocab_mapping
 
 pytestmark = pytest.mark.gpu
@@ -81,8 +82,33 @@ def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_
     capture = HiddenStateCapture(model.get_decoder(), AUX)
     proposer = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cuda")).float())
     prompt = load_dataset_table(dataset).column("input_ids")[0].as_py()[:40]
-    reference = greedy_decode(model, prompt, 32, set())
-    assert speculative_decode(model, capture, proposer, prompt, 32, 3, set()).tokens == reference.tokens
+    forward = forward_for(model, capture, len(prompt) + 32, prompt)
+    reference = greedy_decode(forward, prompt, 32, set())
+    assert speculative_decode(forward, proposer, prompt, 32, 3, set()).tokens == reference.tokens
+
+
+def test_cuda_graph_replays_compute_what_eager_passes_compute(tiny_verifier):
+    model = load_text_model(tiny_verifier, torch.float32, "cuda")
+    capture = HiddenStateCapture(model.get_decoder(), AUX)
+    graphed, eager = StaticForward(model, capture, 64), StaticForward(model, capture, 64, graphs=False)
+    prompt = [1, 200, 300, 400, 500, 600, 700, 200, 300]
+
+    def passes(forward):
+        forward.reset()
+        out = [forward(prompt), forward([41, 42, 43, 44])]  # captures the 4-token graph
+        forward.rollback(2)
+        out += [forward([45, 46, 47, 48]), forward([49]), forward([50])]  # replays it at new positions; captures, replays 1
+        return out
+
+    for (argmax, aux), (expected_argmax, expected_aux) in zip(passes(graphed), passes(eager), strict=True):
+        assert argmax == expected_argmax
+        assert torch.equal(aux, expected_aux)
+    assert sorted(graphed._graphs) == [1, 4]  # noqa: SLF001  (the later passes were replays)
+    expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False, eos_token_id=None)[0, len(prompt):]
+    assert greedy_decode(graphed, prompt, 40, set()).tokens == expected.tolist()
+    for k in (1, 3, 5):
+        assert speculative_decode(graphed, NgramProposer(), prompt, 40, k, set()).tokens == expected.tolist()
+    capture.close()
 
 
 def _gib_held_by_other_processes() -> float:

@@ -18,6 +18,7 @@ from eagle3.isolation import run_attempt
 from eagle3.prepare_dataset import read_user_turns
 from eagle3.regenerate import RegeneratedManifest, _answer_batch, _answer_text, _transformers_attempt, regenerate
 from eagle3.speculative import greedy_decode
+from eagle3.verifier_forward import DynamicForward
 from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
 
@@ -92,7 +93,7 @@ def test_regenerated_turns_are_the_verifiers_greedy_answers_in_order(verifier, p
     model = load_text_model(manifest.path, torch.float32, "cpu")
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is two plus two?"}], add_generation_prompt=True,
                                            tokenize=True, return_dict=True)["input_ids"]
-    expected = greedy_decode(model, prompt, CFG.max_new_tokens, {tokenizer.eos_token_id}).tokens
+    expected = greedy_decode(DynamicForward(model, None), prompt, CFG.max_new_tokens, {tokenizer.eos_token_id}).tokens
     expected = [t for t in expected if t != tokenizer.eos_token_id]
     assert rows["a"]["messages"][1]["content"] == tokenizer.decode(expected, skip_special_tokens=True).strip()
 
@@ -104,7 +105,7 @@ def test_a_record_whose_first_answer_is_empty_fails_alone_and_its_later_turns_ar
     turns = ["Name a colour.", "Now another one."]
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": turns[0]}], add_generation_prompt=True,
                                            tokenize=True, return_dict=True)["input_ids"]
-    model.generation_config.eos_token_id = greedy_decode(model, list(prompt), 1, set()).tokens[0]  # ends the answer at once
+    model.generation_config.eos_token_id = greedy_decode(DynamicForward(model, None), list(prompt), 1, set()).tokens[0]  # ends the answer at once
 
     entries = _answer_batch(model, tokenizer, [("81", [], turns), ("b", [], ["Name a colour."])], CFG, "cpu")
 

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config
+
+from eagle3.extract_hidden_states import HiddenStateCapture
+from eagle3.speculative import NgramProposer, greedy_decode, speculative_decode
+from eagle3.verifier import load_text_model
+from eagle3.verifier_forward import DynamicForward, StaticForward, forward_for, full_attention_only
+
+AUX = [1, 2, 3]
+PROMPT = [1, 200, 300, 400, 500, 600, 700, 200, 300]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_verifier):
+    return load_text_model(tiny_verifier, torch.float32, "cpu")
+
+
+def _generate(model, prompt, n):
+    return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("make", [lambda m: StaticForward(m, None, 64), lambda m: DynamicForward(m, None)], ids=["static", "dynamic"])
+def test_greedy_decoding_equals_transformers_generate_and_n_gram_drafting_changes_nothing(model, make):
+    forward = make(model)
+    expected = _generate(model, PROMPT, 40)
+
+    assert greedy_decode(forward, PROMPT, 40, set()).tokens == expected
+    for k in (1, 3, 5):
+        assert speculative_decode(forward, NgramProposer(), PROMPT, 40, k, set()).tokens == expected
+
+
+def test_each_pass_after_a_rollback_returns_what_one_full_forward_of_the_kept_tokens_gives(model):
+    capture = HiddenStateCapture(model.get_decoder(), AUX)
+    forward = StaticForward(model, capture, 32)
+    forward([5, 6, 7, 8])  # a longer sequence first: its buffers' entries must not leak into the next one
+    forward([9, 10, 11])
+    forward.reset()
+
+    argmax_prompt, _ = forward(PROMPT)
+    forward([41, 42, 43])
+    forward.rollback(2)  # keep 41, drop 42 and 43
+    argmax, aux = forward([44, 45])
+
+    sequence = PROMPT + [41, 44, 45]
+    with torch.inference_mode():
+        full = model(input_ids=torch.tensor([sequence]), use_cache=False)
+        full_aux = capture.stacked()[0, :, :-1]
+    capture.close()
+    assert argmax_prompt == full.logits[0, : len(PROMPT)].argmax(-1).tolist()
+    assert argmax == full.logits[0, -2:].argmax(-1).tolist()
+    torch.testing.assert_close(aux, full_aux[-2:], atol=1e-5, rtol=1e-5)
+
+
+def test_a_sequence_that_outgrows_the_buffers_is_refused(model):
+    forward = StaticForward(model, None, 10)
+    forward(PROMPT)
+
+    with pytest.raises(ValueError, match="11 tokens outgrows the KV buffers of 10 positions"):
+        forward([1, 2])
+
+
+def test_verifiers_with_windowed_layers_decode_on_transformers_own_cache(model):
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, sliding_window=4)).eval()
+    forward = forward_for(windowed, None, 64, PROMPT)
+
+    assert isinstance(forward_for(model, None, 64, PROMPT), StaticForward)
+    assert isinstance(forward, DynamicForward)
+    assert greedy_decode(forward, PROMPT, 12, set()).tokens == _generate(windowed, PROMPT, 12)
+    assert full_attention_only(Qwen2Config(use_sliding_window=False))
+    assert not full_attention_only(Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=0))
+
+
+def test_a_verifier_whose_fixed_buffer_passes_disagree_with_transformers_decodes_on_its_dynamic_cache(model, monkeypatch, caplog):
+    def one_position_late(self, ids, positions):  # a fault injected where an architecture could misread our positions
+        return honest(self, ids, positions + 1)
+
+    honest = StaticForward._pass  # noqa: SLF001
+    monkeypatch.setattr(StaticForward, "_pass", one_position_late)
+
+    assert isinstance(forward_for(model, None, 64, PROMPT), DynamicForward)
+    assert "disagrees with transformers' forward" in caplog.text

@@ -6,9 +6,9 @@
 The verifier (SmolLM2-135M-Instruct unless `--verifier`) decodes the same chat-templated prompts
 (the package's sample eval prompts unless `--prompts`) plainly greedy and with n-gram drafts at
 k = 3, the baselines' work, through each forward of `eagle3.verifier_forward`: `dynamic`
-(transformers' DynamicCache, every pass eager), `static` (fixed buffers and masks, eager) and, on
-CUDA, `graphs` (fixed buffers, each pass after the prompt replayed as a CUDA graph: what
-evaluation runs on a GPU). Each forward first decodes one prompt untimed (warm-up, graph
+(transformers' DynamicCache, every pass eager: what evaluation runs on a CPU), `static` (fixed
+buffers and masks, eager) and, on CUDA, `graphs` (fixed buffers, each pass after the prompt
+replayed as a CUDA graph: what evaluation runs on a GPU). Each forward first decodes one prompt untimed (warm-up, graph
 captures). Every output must equal the `dynamic` one token for token. Prints a table of tokens/s
 and the speed relative to `dynamic`, then one JSON line (`--json` writes it to a file too).
 """
@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,6 +36,7 @@ from eagle3.verifier_forward import DynamicForward, StaticForward  # noqa: E402
 
 
 def forwards(on: DecodingModel, max_len: int) -> dict:
+    """Each forward to compare, by name; `graphs` only where there is a GPU to replay them on."""
     out = {"dynamic": DynamicForward(on.model, None), "static": StaticForward(on.model, None, max_len, graphs=False)}
     if on.device.type == "cuda":
         out["graphs"] = StaticForward(on.model, None, max_len, graphs=True)
@@ -56,6 +58,7 @@ def measure(forward, prompts: list[list[int]], max_new_tokens: int, k: int, eos_
 
 
 def main() -> None:
+    """Decode the prompts through each forward, print the table and the JSON line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--verifier", default="", help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--prompts", type=Path, help="prompts file (prompt, turns, question or messages)")
@@ -88,7 +91,7 @@ def main() -> None:
               f"{row['speedup']:>10.2f} {str(row['outputs_equal']):>18}")
     summary = {
         "device": device_name(on.device), "prompts": str(source), "num_prompts": len(timed), "max_new_tokens": args.max_new_tokens,
-        "k": args.k, "dtype": args.dtype, "torch": torch.__version__,
+        "k": args.k, "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers.__version__,
         "forwards": {name: {key: value for key, value in row.items() if key != "outputs"} for name, row in rows.items()},
     }
     print(json.dumps(summary))

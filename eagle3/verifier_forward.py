@@ -6,10 +6,11 @@ transformers' eager forwards launches hundreds of kernels from Python (`bench/de
 measures it). `StaticForward` keeps the KV cache in fixed buffers and passes its own attention
 mask, so every pass of one length runs the same kernels on the same addresses; on CUDA each
 length is captured once as a CUDA graph and replayed. A replay runs the kernels the eager pass
-runs, so it computes what the eager pass computes. It serves verifiers whose layers are all full
-attention and, on the first prompt, reproduce transformers' uncached forward (`forward_for`
-checks); the others (sliding windows, linear attention) decode with `DynamicForward`, on
-transformers' own cache and masks.
+runs, so it computes what the eager pass computes. `forward_for` uses it on a GPU for verifiers
+whose layers are all full attention and which decode the first prompt as transformers' own cache
+does (`decodes_like_dynamic`); the others (sliding windows, linear attention, layers that cannot
+be captured), and every verifier on a CPU, decode with `DynamicForward`, on transformers' own
+cache and masks.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 from transformers import Cache, DynamicCache
 
 from eagle3.extract_hidden_states import HiddenStateCapture
+from eagle3.speculative import greedy_decode, speculative_decode
 
-__all__ = ["DynamicForward", "StaticForward", "forward_for", "full_attention_only"]
+__all__ = ["DynamicForward", "StaticForward", "decodes_like_dynamic", "forward_for", "full_attention_only"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,8 @@ class DynamicForward:
 
     def rollback(self, n: int) -> None:
         """Forget the last `n` tokens."""
-        self.cache.crop(-n)
+        if n:  # crop(-0) would empty the cache
+            self.cache.crop(-n)
 
 
 class _FixedCache(Cache):
@@ -70,6 +73,12 @@ class _FixedCache(Cache):
         self.keys[layer_idx].index_copy_(2, self.positions, key_states)
         self.values[layer_idx].index_copy_(2, self.positions, value_states)
         return self.keys[layer_idx], self.values[layer_idx]
+
+    def clear(self, start: int) -> None:
+        """Zero every position from `start` on: the mask gives them weight 0, but 0 x NaN is NaN, so an
+        overflow in a forgotten entry would otherwise reach every later pass."""
+        for buffer in (*self.keys.values(), *self.values.values()):
+            buffer[:, :, start:].zero_()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # read only where position_ids are missing (ours never are) or for masks (ours are given)
@@ -100,7 +109,8 @@ class StaticForward:
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     def reset(self) -> None:
-        """Start a new sequence; the buffers keep the old one's entries, which the masks hide."""
+        """Start a new sequence."""
+        self.cache.clear(0)
         self.length = 0
 
     def _pass(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -114,11 +124,18 @@ class StaticForward:
 
     def _capture(self, ids: torch.Tensor, positions: torch.Tensor) -> _Graph:
         """Capture the pass of `ids` at `positions`: the warm-up runs it for real (writing the same
-        K/V the replay writes), then the graph records it."""
+        K/V the replay writes), then the graph records it. A layer that synchronizes with the host
+        (MoE routing by `nonzero`, say) cannot be captured: the warm-up raises on it, before a
+        capture could fail halfway."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._pass(ids, positions)
+        debug_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(stream):
+                self._pass(ids, positions)
+        finally:
+            torch.cuda.set_sync_debug_mode(debug_mode)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
@@ -151,8 +168,12 @@ class StaticForward:
         return argmax.tolist(), aux
 
     def rollback(self, n: int) -> None:
-        """Forget the last `n` tokens: later passes write over them, and masks hide them until then."""
+        """Forget the last `n` tokens."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot forget {n} of {self.length} tokens")
         self.length -= n
+        if n:
+            self.cache.clear(self.length)
 
 
 def full_attention_only(config) -> bool:
@@ -163,31 +184,50 @@ def full_attention_only(config) -> bool:
     return not getattr(config, "sliding_window", None)
 
 
-def _agrees_with_plain_forward(forward: StaticForward, probe: list[int]) -> bool:
-    """Whether `forward` reproduces the argmax of one uncached transformers forward over `probe`,
-    fed as its first tokens and then its last one (a graph capture on CUDA): a check that this
-    architecture's layers honour the fixed buffers, positions and mask."""
+class _ReplayProposer:
+    """Proposes the reference continuation with its k-th token wrong: passes of k + 1 tokens whose
+    last draft is rejected and rolled back."""
+
+    def __init__(self, reference: list[int], prompt_len: int):
+        self.reference, self.prompt_len = reference, prompt_len
+
+    def reset(self, prompt_len: int) -> None:
+        pass
+
+    def observe(self, aux_states) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        right = self.reference[len(context) - self.prompt_len :][:k]
+        return right[:-1] + [right[-1] - 1 if right[-1] else 1] if right else []
+
+
+PROBE_TOKENS = 12  # decoded from the probe prompt: enough passes of each kind to show a misplaced position
+
+
+def decodes_like_dynamic(forward: StaticForward, probe: list[int], max_new_tokens: int = PROBE_TOKENS, k: int = 3) -> bool:
+    """Whether `forward` decodes `probe` (a prompt of 2 or more tokens) as `DynamicForward` does,
+    plainly greedy and through partly rejected k-token drafts: a check that this architecture's
+    layers honour the fixed buffers, positions and mask, and (on CUDA) survive graph capture."""
+    expected = greedy_decode(DynamicForward(forward.model, None), probe, max_new_tokens, set()).tokens
     try:
-        with torch.inference_mode():
-            expected = forward.model(input_ids=torch.tensor([probe], device=forward.device), use_cache=False).logits[0].argmax(-1)
-            forward.reset()
-            got = forward(probe[:-1])[0] + forward(probe[-1:])[0]
+        greedy = greedy_decode(forward, probe, max_new_tokens, set()).tokens
+        drafted = speculative_decode(forward, _ReplayProposer(expected, len(probe)), probe, max_new_tokens, k, set()).tokens
     except Exception:  # noqa: BLE001  (any failure means: decode the way transformers does)
         logger.warning("decoding on fixed KV buffers failed on the first prompt", exc_info=True)
         return False
-    finally:
-        forward.reset()
-    return got == expected.tolist()
+    return greedy == expected and drafted == expected
 
 
 def forward_for(model, capture: HiddenStateCapture | None, max_len: int, probe: list[int]):
-    """The fastest forward that decodes `model` exactly: `StaticForward` (CUDA graphs on a GPU) for a
-    full-attention verifier that reproduces transformers' own forward on `probe` (a prompt), else
-    `DynamicForward`. `max_len`: the longest sequence it will hold."""
-    if full_attention_only(model.config):
-        forward = StaticForward(model, capture, max_len)
-        if _agrees_with_plain_forward(forward, probe):
+    """The fastest forward that decodes `model` exactly. On a GPU: `StaticForward` with CUDA graphs,
+    for a full-attention verifier that decodes `probe` (a prompt) as transformers' own cache does.
+    Otherwise `DynamicForward` (on a CPU, fixed buffers would only add attention over empty
+    positions). `max_len`: the longest sequence it will hold."""
+    if next(model.parameters()).device.type == "cuda" and full_attention_only(model.config):
+        forward = StaticForward(model, capture, max(max_len, len(probe) + PROBE_TOKENS))
+        if decodes_like_dynamic(forward, probe):
             return forward
-        logger.warning("%s verifier: decoding on fixed KV buffers disagrees with transformers' forward on the first prompt; "
-                       "decoding on transformers' dynamic cache instead", model.config.model_type)
+        logger.warning("%s verifier: decoding on fixed KV buffers differs from transformers' dynamic cache on the first "
+                       "prompt; decoding on the dynamic cache instead", model.config.model_type)
     return DynamicForward(model, capture)

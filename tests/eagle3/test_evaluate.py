@@ -25,7 +25,7 @@ from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from eagle3.tau import tau_from_counts
 from eagle3.train import train_draft
 from eagle3.verifier import eos_token_ids, load_text_model, load_tokenizer, resolve_verifier
-from eagle3.verifier_forward import DynamicForward, forward_for
+from eagle3.verifier_forward import DynamicForward, StaticForward
 from eagle3.vocab_mapping import build_vocab_mapping
 
 AUX = [1, 2, 3]
@@ -73,11 +73,12 @@ class OracleProposer:
         return self.reference[done : done + k]
 
 
-def test_speculative_output_equals_plain_greedy_for_every_proposer(exported, verifier_model):
+@pytest.mark.parametrize("kind", ["dynamic", "static"])  # a CPU's forward, and a GPU's (eagerly)
+def test_speculative_output_equals_plain_greedy_for_every_proposer(exported, verifier_model, kind):
     store, verifier, hidden, checkpoint = exported
     model, capture = verifier_model
     draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double())
-    forward = forward_for(model, capture, len(PROMPT) + 40, PROMPT)
+    forward = DynamicForward(model, capture) if kind == "dynamic" else StaticForward(model, capture, len(PROMPT) + 40)
     reference = greedy_decode(forward, PROMPT, 40, set())
     hf = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, eos_token_id=None)[0, len(PROMPT):]
 
@@ -89,7 +90,7 @@ def test_speculative_output_equals_plain_greedy_for_every_proposer(exported, ver
 
 
 def test_acceptance_is_counted_per_verifier_pass(verifier_model):
-    forward = forward_for(*verifier_model, len(PROMPT) + 25, PROMPT)
+    forward = DynamicForward(*verifier_model)
     reference = greedy_decode(forward, PROMPT, 25, set()).tokens
 
     oracle = speculative_decode(forward, OracleProposer(reference, len(PROMPT)), PROMPT, 25, 4, set())

@@ -84,6 +84,7 @@ def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_
     prompt = load_dataset_table(dataset).column("input_ids")[0].as_py()[:40]
     forward = forward_for(model, capture, len(prompt) + 32, prompt)
     reference = greedy_decode(forward, prompt, 32, set())
+    assert isinstance(forward, StaticForward) and forward.graphs
     assert speculative_decode(forward, proposer, prompt, 32, 3, set()).tokens == reference.tokens
 
 
@@ -100,7 +101,9 @@ def test_cuda_graph_replays_compute_what_eager_passes_compute(tiny_verifier):
         out += [forward([45, 46, 47, 48]), forward([49]), forward([50])]  # replays it at new positions; captures, replays 1
         return out
 
-    for (argmax, aux), (expected_argmax, expected_aux) in zip(passes(graphed), passes(eager), strict=True):
+    with torch.inference_mode():  # as decoding captures
+        graphed_passes, eager_passes = passes(graphed), passes(eager)
+    for (argmax, aux), (expected_argmax, expected_aux) in zip(graphed_passes, eager_passes, strict=True):
         assert argmax == expected_argmax
         assert torch.equal(aux, expected_aux)
     assert sorted(graphed._graphs) == [1, 4]  # noqa: SLF001  (the later passes were replays)

@@ -2,12 +2,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM, Qwen2Config
+from transformers import MistralConfig, Qwen2Config, Qwen3NextConfig
 
 from eagle3.extract_hidden_states import HiddenStateCapture
 from eagle3.speculative import NgramProposer, greedy_decode, speculative_decode
 from eagle3.verifier import load_text_model
-from eagle3.verifier_forward import DynamicForward, StaticForward, forward_for, full_attention_only
+from eagle3.verifier_forward import DynamicForward, StaticForward, decodes_like_dynamic, forward_for, full_attention_only
 
 AUX = [1, 2, 3]
 PROMPT = [1, 200, 300, 400, 500, 600, 700, 200, 300]
@@ -32,9 +32,10 @@ def test_greedy_decoding_equals_transformers_generate_and_n_gram_drafting_change
         assert speculative_decode(forward, NgramProposer(), PROMPT, 40, k, set()).tokens == expected
 
 
-def test_each_pass_after_a_rollback_returns_what_one_full_forward_of_the_kept_tokens_gives(model):
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_each_pass_after_a_rollback_returns_what_one_full_forward_of_the_kept_tokens_gives(model, kind):
     capture = HiddenStateCapture(model.get_decoder(), AUX)
-    forward = StaticForward(model, capture, 32)
+    forward = StaticForward(model, capture, 32) if kind == "static" else DynamicForward(model, capture)
     forward([5, 6, 7, 8])  # a longer sequence first: its buffers' entries must not leak into the next one
     forward([9, 10, 11])
     forward.reset()
@@ -42,6 +43,7 @@ def test_each_pass_after_a_rollback_returns_what_one_full_forward_of_the_kept_to
     argmax_prompt, _ = forward(PROMPT)
     forward([41, 42, 43])
     forward.rollback(2)  # keep 41, drop 42 and 43
+    forward.rollback(0)
     argmax, aux = forward([44, 45])
 
     sequence = PROMPT + [41, 44, 45]
@@ -54,6 +56,21 @@ def test_each_pass_after_a_rollback_returns_what_one_full_forward_of_the_kept_to
     torch.testing.assert_close(aux, full_aux[-2:], atol=1e-5, rtol=1e-5)
 
 
+def test_entries_a_rollback_forgets_cannot_reach_later_passes_even_as_nan(model):
+    forward = StaticForward(model, None, 32)
+    forward(PROMPT)
+    forward([41, 42, 43])
+    for buffer in (*forward.cache.keys.values(), *forward.cache.values.values()):
+        buffer[:, :, len(PROMPT) + 1 :] = float("nan")  # what an overflow in a rejected draft would leave
+
+    forward.rollback(2)
+    argmax, _ = forward([44])
+
+    with torch.inference_mode():
+        full = model(input_ids=torch.tensor([PROMPT + [41, 44]]), use_cache=False)
+    assert argmax == full.logits[0, -1:].argmax(-1).tolist()
+
+
 def test_a_sequence_that_outgrows_the_buffers_is_refused(model):
     forward = StaticForward(model, None, 10)
     forward(PROMPT)
@@ -62,24 +79,33 @@ def test_a_sequence_that_outgrows_the_buffers_is_refused(model):
         forward([1, 2])
 
 
-def test_verifiers_with_windowed_layers_decode_on_transformers_own_cache(model):
-    windowed = MistralForCausalLM(MistralConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                num_attention_heads=4, num_key_value_heads=2, sliding_window=4)).eval()
-    forward = forward_for(windowed, None, 64, PROMPT)
-
-    assert isinstance(forward_for(model, None, 64, PROMPT), StaticForward)
-    assert isinstance(forward, DynamicForward)
-    assert greedy_decode(forward, PROMPT, 12, set()).tokens == _generate(windowed, PROMPT, 12)
-    assert full_attention_only(Qwen2Config(use_sliding_window=False))
-    assert not full_attention_only(Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=0))
+def test_fixed_buffers_decode_a_full_attention_verifier_as_its_dynamic_cache_does(model):
+    assert decodes_like_dynamic(StaticForward(model, None, 64), PROMPT)
 
 
-def test_a_verifier_whose_fixed_buffer_passes_disagree_with_transformers_decodes_on_its_dynamic_cache(model, monkeypatch, caplog):
+def test_fixed_buffers_that_misplace_positions_are_found_out(model, monkeypatch, caplog):
     def one_position_late(self, ids, positions):  # a fault injected where an architecture could misread our positions
         return honest(self, ids, positions + 1)
 
     honest = StaticForward._pass  # noqa: SLF001
     monkeypatch.setattr(StaticForward, "_pass", one_position_late)
 
+    assert not decodes_like_dynamic(StaticForward(model, None, 64), PROMPT)
+    assert "failed" not in caplog.text  # it decoded, differently
+
+
+def test_fixed_buffers_that_fail_to_decode_are_refused_with_the_reason_logged(model, caplog):
+    assert not decodes_like_dynamic(StaticForward(model, None, len(PROMPT) + 4), PROMPT)
+    assert "decoding on fixed KV buffers failed on the first prompt" in caplog.text and "outgrows the KV buffers" in caplog.text
+
+
+def test_on_a_cpu_every_verifier_decodes_on_transformers_own_cache(model):
     assert isinstance(forward_for(model, None, 64, PROMPT), DynamicForward)
-    assert "disagrees with transformers' forward" in caplog.text
+
+
+def test_windowed_and_linear_attention_layers_are_told_from_full_attention(model):
+    assert full_attention_only(model.config)
+    assert full_attention_only(Qwen2Config(use_sliding_window=False))
+    assert not full_attention_only(Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=0))
+    assert not full_attention_only(MistralConfig(sliding_window=4))
+    assert not full_attention_only(Qwen3NextConfig(num_hidden_layers=4))  # linear attention in three layers of four

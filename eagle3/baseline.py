@@ -5,7 +5,8 @@ output every speculative decode must equal and the speed without a draft, and wi
 lookup at every k in `ks`, which gives the tau of no training at all. None of it depends on the
 draft, so it is an artifact of its own: evaluating a new draft for the same verifier, prompts and
 decoding settings runs only the draft's decodes. The key holds the device type (CPU or CUDA) the
-decodes run on, since the speeds are compared with the draft's; `measured_on` names the device.
+decodes run on, since the speeds are compared with the draft's; `measured_on` names the device
+and the verifier's forward (`eagle3.verifier_forward`).
 
 Output `reference.json`: the greedy tokens of each prompt, in order; `per_prompt.json`: each
 prompt's n-gram counts at each k as tau takes them (tokens: accepted draft tokens plus one per
@@ -147,19 +148,21 @@ def decode_summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
     }
 
 
-def _measured_here(done: dict, device: str, done_log: Path) -> dict:
-    """The finished prompts of `done` that were decoded on `device`. Those from another device (a
-    run resumed on another GPU model) are decoded again: their speeds would mix into this one's."""
-    elsewhere = sorted({entry["measured_on"] for entry in done.values()} - {device})
+def _measured_here(done: dict, measured_on: str, done_log: Path) -> dict:
+    """The finished prompts of `done` that were decoded as `measured_on` says. Those decoded on
+    another device (a run resumed on another GPU model) or with another forward are decoded again:
+    their speeds would mix into this one's."""
+    elsewhere = sorted({entry["measured_on"] for entry in done.values()} - {measured_on})
     if elsewhere:
-        logger.warning("%s: prompts decoded on %s are decoded again on %s", done_log, ", ".join(elsewhere), device)
-    return {i: entry for i, entry in done.items() if entry["measured_on"] == device}
+        logger.warning("%s: prompts decoded on %s are decoded again on %s", done_log, " and ".join(elsewhere), measured_on)
+    return {i: entry for i, entry in done.items() if entry["measured_on"] == measured_on}
 
 
-def decode_remaining(num_prompts: int, device: torch.device, done: dict, done_log: Path, desc: str, decode) -> dict:
-    """Entries for all `num_prompts` prompts: those in `done` decoded on `device`, and `decode(i)`
-    (a dict of figures) for each other prompt i, appended to `done_log` as it finishes."""
-    name = device_name(device)
+def decode_remaining(num_prompts: int, device: torch.device, forward, done: dict, done_log: Path, desc: str, decode) -> dict:
+    """Entries for all `num_prompts` prompts: those in `done` decoded on `device` with the same kind
+    of `forward` (`eagle3.verifier_forward`), and `decode(i)` (a dict of figures) for each other
+    prompt i, appended to `done_log` as it finishes."""
+    name = f"{device_name(device)}; {forward.kind}"
     done = _measured_here(done, name, done_log)
     with open(done_log, "a") as log, tqdm(total=num_prompts, initial=len(done), desc=desc, unit="prompt") as bar:
         for i in range(num_prompts):
@@ -180,7 +183,7 @@ def _decode_prompts(on: DecodingModel, cfg: EvalConfig, done: dict, done_log: Pa
         ngram = {k: speculative_decode(forward, NgramProposer(), prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
         return {"greedy": asdict(greedy), "ngram": {str(k): asdict(stats) for k, stats in ngram.items()}}
 
-    return decode_remaining(len(on.prompts), on.device, done, done_log, "baselines", decode)
+    return decode_remaining(len(on.prompts), on.device, forward, done, done_log, "baselines", decode)
 
 
 def measure_baselines(

@@ -65,7 +65,7 @@ class EvalManifest(ArtifactManifest):
     mismatches: int | None
     draft_token_accuracy: float | None = None  # teacher-forced step-0 accuracy on the greedy outputs (None: backend 'vllm')
     draft_vocab_coverage: float | None = None  # share of those drafted tokens inside the draft vocabulary (None: backend 'vllm')
-    measured_on: str | None = None  # the device of the draft's decodes (None: backend 'vllm')
+    measured_on: str | None = None  # the device and verifier forward of the draft's decodes (None: backend 'vllm')
     gains_over_ngram: list[dict] | None = None  # per k: draft tau minus n-gram tau, paired standard error (None: backend 'vllm')
 
     def counts(self, method: str, k: int) -> Counts | None:
@@ -132,7 +132,7 @@ def _decode_prompts(
         return {"runs": {str(k): asdict(run) for k, run in runs.items()}, "correct": correct, "drafted": drafted, "covered": covered}
 
     try:
-        return decode_remaining(len(on.prompts), on.device, done, done_log, "evaluate", decode)
+        return decode_remaining(len(on.prompts), on.device, forward, done, done_log, "evaluate", decode)
     finally:
         capture.close()
 

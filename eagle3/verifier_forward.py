@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 class DynamicForward:
     """Any verifier, eagerly, on transformers' `DynamicCache`."""
 
+    kind = "transformers' dynamic KV cache"  # what decoding speeds are measured with
+
     def __init__(self, model, capture: HiddenStateCapture | None):
         self.model, self.capture = model, capture
         self.device = next(model.parameters()).device
@@ -107,6 +109,7 @@ class StaticForward:
         self.length = 0
         self._graphs: dict[int, _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.kind = "fixed KV buffers, CUDA graphs" if self.graphs else "fixed KV buffers"
 
     def reset(self) -> None:
         """Start a new sequence."""

@@ -209,9 +209,9 @@ PROBE_TOKENS = 12  # decoded from the probe prompt: enough passes of each kind t
 
 
 def decodes_like_dynamic(forward: StaticForward, probe: list[int], max_new_tokens: int = PROBE_TOKENS, k: int = 3) -> bool:
-    """Whether `forward` decodes `probe` (a prompt of 2 or more tokens) as `DynamicForward` does,
-    plainly greedy and through partly rejected k-token drafts: a check that this architecture's
-    layers honour the fixed buffers, positions and mask, and (on CUDA) survive graph capture."""
+    """Whether `forward` decodes `probe` (a prompt) as `DynamicForward` does, plainly greedy and
+    through partly rejected k-token drafts: a check that this architecture's layers honour the
+    fixed buffers, positions and mask, and (on CUDA) survive graph capture."""
     expected = greedy_decode(DynamicForward(forward.model, None), probe, max_new_tokens, set()).tokens
     try:
         greedy = greedy_decode(forward, probe, max_new_tokens, set()).tokens

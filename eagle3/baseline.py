@@ -158,11 +158,11 @@ def _measured_here(done: dict, measured_on: str, done_log: Path) -> dict:
     return {i: entry for i, entry in done.items() if entry["measured_on"] == measured_on}
 
 
-def decode_remaining(num_prompts: int, device: torch.device, forward, done: dict, done_log: Path, desc: str, decode) -> dict:
-    """Entries for all `num_prompts` prompts: those in `done` decoded on `device` with the same kind
+def decode_remaining(num_prompts: int, forward, done: dict, done_log: Path, desc: str, decode) -> dict:
+    """Entries for all `num_prompts` prompts: those in `done` decoded on the device and with the kind
     of `forward` (`eagle3.verifier_forward`), and `decode(i)` (a dict of figures) for each other
     prompt i, appended to `done_log` as it finishes."""
-    name = f"{device_name(device)}; {forward.kind}"
+    name = f"{device_name(forward.device)}; {forward.kind}"
     done = _measured_here(done, name, done_log)
     with open(done_log, "a") as log, tqdm(total=num_prompts, initial=len(done), desc=desc, unit="prompt") as bar:
         for i in range(num_prompts):
@@ -183,7 +183,7 @@ def _decode_prompts(on: DecodingModel, cfg: EvalConfig, done: dict, done_log: Pa
         ngram = {k: speculative_decode(forward, NgramProposer(), prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
         return {"greedy": asdict(greedy), "ngram": {str(k): asdict(stats) for k, stats in ngram.items()}}
 
-    return decode_remaining(len(on.prompts), on.device, forward, done, done_log, "baselines", decode)
+    return decode_remaining(len(on.prompts), forward, done, done_log, "baselines", decode)
 
 
 def measure_baselines(

@@ -132,7 +132,7 @@ def _decode_prompts(
         return {"runs": {str(k): asdict(run) for k, run in runs.items()}, "correct": correct, "drafted": drafted, "covered": covered}
 
     try:
-        return decode_remaining(len(on.prompts), on.device, forward, done, done_log, "evaluate", decode)
+        return decode_remaining(len(on.prompts), forward, done, done_log, "evaluate", decode)
     finally:
         capture.close()
 

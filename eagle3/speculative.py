@@ -166,9 +166,7 @@ def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int
         while accepted < len(drafts) and drafts[accepted] == argmax[accepted]:
             accepted += 1
         new = drafts[:accepted] + [argmax[accepted]]
-        rejected = len(drafts) - accepted
-        if rejected:
-            forward.rollback(rejected)
+        forward.rollback(len(drafts) - accepted)
         proposer.observe(None if aux is None else aux[: accepted + 1])
         stats.verifier_passes += 1
         stats.accepted_per_pass.append(accepted)

@@ -29,6 +29,11 @@ __all__ = ["DynamicForward", "StaticForward", "decodes_like_dynamic", "forward_f
 logger = logging.getLogger(__name__)
 
 
+def _aux_states(capture: HiddenStateCapture | None) -> torch.Tensor | None:
+    """The last forward's aux states [tokens, 3, H], what an EAGLE-3 draft reads (None without capture)."""
+    return capture.stacked()[0, :, :-1].float() if capture else None
+
+
 class DynamicForward:
     """Any verifier, eagerly, on transformers' `DynamicCache`."""
 
@@ -46,8 +51,7 @@ class DynamicForward:
     def __call__(self, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """Append `ids`; the verifier's argmax after each, and their aux states [len(ids), 3, H] (None without capture)."""
         out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache, use_cache=True)
-        aux = self.capture.stacked()[0, :, :-1].float() if self.capture else None
-        return out.logits[0].argmax(-1).tolist(), aux
+        return out.logits[0].argmax(-1).tolist(), _aux_states(self.capture)
 
     def rollback(self, n: int) -> None:
         """Forget the last `n` tokens."""
@@ -122,8 +126,7 @@ class StaticForward:
         mask.masked_fill_(self.columns[None, :] <= positions[:, None], 0.0)  # [q, max_len], additive: causal over the buffers
         out = self.model(input_ids=ids, position_ids=positions[None], attention_mask=mask[None, None], past_key_values=self.cache,
                          use_cache=True)
-        aux = self.capture.stacked()[0, :, :-1].float() if self.capture else None
-        return out.logits[0].argmax(-1), aux
+        return out.logits[0].argmax(-1), _aux_states(self.capture)
 
     def _capture(self, ids: torch.Tensor, positions: torch.Tensor) -> _Graph:
         """Capture the pass of `ids` at `positions`: the warm-up runs it for real (writing the same

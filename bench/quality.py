@@ -208,17 +208,25 @@ def eval_row(evaluation: dict, baseline: dict | None) -> dict:
 
 
 def by_category(evaluation: dict, prompts: Path, store: Path, k: int = 3) -> dict | None:
-    """Per `category` of the prompts (MT-bench's eight): tau of the draft and of n-gram at k, and
-    the draft's gain with its standard error paired over the category's prompts. None where the
+    """Per `category` of the prompts (MT-bench's eight): see `category_rows`. None where the
     prompts have no category or the evaluation kept no per-prompt counts."""
     from eagle3.store import ArtifactStore
-    from eagle3.tau import gain_over, read_counts, tau_from_counts
+    from eagle3.tau import read_counts
 
     artifact = ArtifactStore(store).artifact_dir(evaluation["digest"])  # not the manifest's path: stores get copied
     draft, ngram = read_counts(artifact, "eagle3", k), read_counts(artifact, "ngram", k)
     categories = [json.loads(line).get("category") for line in _lines(prompts)[: evaluation["num_prompts"]]]
     if draft is None or ngram is None or None in categories:
         return None
+    return category_rows(draft, ngram, categories, k)
+
+
+def category_rows(draft: list, ngram: list, categories: list[str], k: int) -> dict:
+    """Per category, in order of first appearance: tau of the draft and of n-gram at k, and the
+    draft's gain with its standard error paired over the category's prompts. `draft`, `ngram`:
+    each prompt's (tokens, passes); `categories`: each prompt's."""
+    from eagle3.tau import gain_over, tau_from_counts
+
     rows = {}
     for category in dict.fromkeys(categories):
         draft_counts = [d for d, c in zip(draft, categories) if c == category]
@@ -256,21 +264,26 @@ def summarize(args: argparse.Namespace, extra: dict[str, int], manifests: dict[s
     }
 
 
+def markdown_table(first: str, rows: dict[str, dict], columns: list[str]) -> str:
+    """`rows` (name -> figures) as a markdown table: `first` heads the names' column."""
+    lines = [f"| {first} | {' | '.join(columns)} |", f"|---|{'---|' * len(columns)}"]
+    return "\n".join(lines + [f"| {name} | {' | '.join(str(row.get(c, '')) for c in columns)} |" for name, row in rows.items()])
+
+
+def print_categories(title: str, categories: dict[str, dict]) -> None:
+    print(f"\n{title} by category\n" + markdown_table("category", categories, list(next(iter(categories.values())))))
+
+
 def print_summary(summary: dict) -> None:
     print(f"\nsize {summary['size']}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
           f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs")
     columns = ["tau_sim", "eagle3_k3", "eagle3_k3_se", "ngram_k3", "ngram_k3_se", "eagle3_k3_gain", "eagle3_k3_gain_se", "eagle3_k5",
                "ngram_k5", "eagle3_k5_gain", "draft_token_accuracy", "draft_vocab_coverage", "prompts", "tokens", "mismatches",
                "baseline_seconds", "eval_seconds"]
-    print(f"| eval set | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
-    for name, row in summary["eval"].items():
-        print(f"| {name} | {' | '.join(str(row.get(c, '')) for c in columns)} |")
+    print(markdown_table("eval set", summary["eval"], columns))
     for name, row in summary["eval"].items():
         if categories := row.get("by_category"):
-            columns = list(next(iter(categories.values())))
-            print(f"\n{name} by category\n| category | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
-            for category, numbers in categories.items():
-                print(f"| {category} | {' | '.join(str(numbers[c]) for c in columns)} |")
+            print_categories(name, categories)
     print("\nwall seconds per step (first run): " + ", ".join(f"{k} {v}" for k, v in summary["step_seconds"].items()))
     print(f"training: {summary['draft']['num_steps']} steps, median {summary['draft']['tokens_per_s']} tok/s, "
           f"seconds by phase {summary['draft']['time_breakdown_s']}; by epoch {summary['draft']['by_epoch']}")

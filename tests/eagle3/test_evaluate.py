@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -416,6 +418,44 @@ def test_a_killed_evaluation_resumes_at_its_first_undecoded_prompt(exported, two
     assert evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, baselines,
                     claim=lambda: counted_claim(claims)).results[0]["tau"] == full.results[0]["tau"]
     assert claims == []
+
+
+def test_an_unfinished_evaluation_reports_the_evaluations_own_figures_over_the_prompts_it_finished(exported, two_prompts, tmp_path):
+    """`bench/unfinished_evaluation.py` reads an evaluation's done log as `evaluate` summarizes it,
+    pairing n-gram's decodes of the same prompts from the baselines artifact."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import unfinished_evaluation
+
+    store, verifier, hidden, checkpoint = exported
+    cfg, prompts, baselines = two_prompts
+    ids, references = chat_prompts(verifier, read_prompts(prompts, cfg.num_prompts), prompts), baselines.reference()
+    log = tmp_path / DONE_LOG
+    evaluate_module._decode_prompts(cfg, "cpu", checkpoint, hidden, verifier, ids, references, {}, log)
+    full = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "uninterrupted"}), baselines)
+    categories = write_jsonl(tmp_path / "categories.jsonl", [{"category": "math"}, {"category": "writing"}])
+
+    both = unfinished_evaluation.summarize(unfinished_evaluation.read_done(log), baselines.path, categories)
+
+    assert both["prompts"] == [0, 1] and both["of_prompts"] == 2
+    assert both["draft_token_accuracy"] == round(full.draft_token_accuracy, 3)
+    rows = {(r["method"], r["k"]): r for r in full.results}
+    for k, gain in ((g["k"], g) for g in full.gains_over_ngram):
+        row = both["by_k"][str(k)]
+        assert (row["eagle3"], row["ngram"], row["gain"]) == tuple(round(x, 3) for x in (rows["eagle3", k]["tau"], rows["ngram", k]["tau"], gain["gain"]))
+        assert row["accepted_by_position"] == [round(a, 3) for a in rows["eagle3", k]["acceptance_by_position"]]
+        assert (row["mismatches"], row["tokens"]) == (0, baselines.num_tokens)
+        assert list(row["by_category"]) == ["math", "writing"]
+
+    log.write_text(log.read_text().splitlines(keepends=True)[1])  # only the second prompt finished
+    second = unfinished_evaluation.summarize(unfinished_evaluation.read_done(log), baselines.path, None)
+
+    assert second["prompts"] == [1]
+    for k in cfg.ks:
+        row = second["by_k"][str(k)]
+        assert row["eagle3"] == round(tau_from_counts(full.counts("eagle3", k)[1:]), 3)
+        assert row["ngram"] == round(tau_from_counts(baselines.counts("ngram", k)[1:]), 3)
+        assert row["eagle3_se"] is None and row["gain_se"] is None  # one prompt: no spread
+        assert both["by_k"][str(k)]["by_category"]["writing"]["eagle3_k%d" % k] == row["eagle3"]
 
 
 def test_a_run_waiting_for_another_run_of_the_step_claims_its_gpu_only_once_it_holds_the_step(exported):

@@ -59,8 +59,10 @@ class Eagle3Proposer:
 
     Mirrors the model's training forward: at the position of token x_{t+1} the draft reads
     embed(x_{t+1}) and fc(aux states of x_t); each later step reads its previous output and the
-    token it drafted. The draft's KV cache holds step 0 over the whole context and one entry per
-    chained step, which is the attention pattern test-time training teaches.
+    token it drafted. The draft's KV cache holds step 0 over the whole confirmed context and one
+    entry per chained step, which is the attention pattern test-time training teaches. Step 0 runs
+    once per confirmed position: each round extends the cache over the tokens the verifier just
+    confirmed, and the chained steps' entries are cropped off again after proposing.
     """
 
     def __init__(self, draft):
@@ -70,10 +72,13 @@ class Eagle3Proposer:
                 "run; measure it with evaluate.backend=vllm"
             )
         self.draft = draft.eval()
-        self.aux: list[torch.Tensor] = []
+        self.reset(0)
 
     def reset(self, prompt_len: int) -> None:
-        self.aux = []
+        self.aux: list[torch.Tensor] = []  # aux states observed that step 0 has not run over yet
+        self.cache = DynamicCache()  # step 0 over the confirmed context
+        self.positions = 0  # how many positions the cache holds
+        self.last: torch.Tensor | None = None  # step 0's output at the last of them
 
     def observe(self, aux_states: torch.Tensor) -> None:
         """Aux hidden states [tokens, 3, H] of newly confirmed tokens, in order."""
@@ -96,20 +101,21 @@ class Eagle3Proposer:
             return hidden, draft.lm_head(hidden)
         return hidden, draft.lm_head(draft.norm(hidden))
 
-    def _first_step(self, context: list[int], aux: torch.Tensor, cache):
-        """TTT step 0 over the context: at the position of token context[i+1] the draft reads
-        embed(context[i+1]) and fc(aux states of context[i]). Returns the layers' output [1, n, H]."""
+    def _step_0(self, tokens: list[int], aux: torch.Tensor, start: int, cache):
+        """TTT step 0 at positions start+1 .. start+m, after the `start` ones in `cache`: at the
+        position of tokens[i] the draft reads embed(tokens[i]) and fc(aux[i]), the aux states of
+        the token before it. Returns the layers' output [1, m, H]."""
         draft = self.draft
-        n = aux.shape[0]
-        assert n == len(context) - 1, (n, len(context))
-        features = aux.reshape(1, n, -1).to(draft.fc.weight.dtype)
+        m = aux.shape[0]
+        assert m == len(tokens), (m, len(tokens))
+        features = aux.reshape(1, m, -1).to(draft.fc.weight.dtype)
         if draft.input_norm is not None:
             features = draft.input_norm(features)
-        features = draft.fc(features)  # [1, n, H]
-        ids = torch.tensor([context[1:]], device=features.device)
+        features = draft.fc(features)  # [1, m, H]
+        ids = torch.tensor([tokens], device=features.device)
         hidden = torch.cat([draft.embed_tokens(ids), features], dim=-1)
-        position_ids = torch.arange(1, n + 1, device=features.device).unsqueeze(0)
-        causal = torch.full((n, n), float("-inf"), device=features.device, dtype=features.dtype).triu(1)
+        position_ids = torch.arange(start + 1, start + m + 1, device=features.device).unsqueeze(0)
+        causal = torch.full((m, start + m), float("-inf"), device=features.device, dtype=features.dtype).triu(start + 1)
         return self._layers(hidden, causal[None, None], position_ids, cache)
 
     def in_vocabulary(self, tokens: list[int]) -> int:
@@ -123,9 +129,14 @@ class Eagle3Proposer:
     @torch.inference_mode()
     def propose(self, context: list[int], k: int) -> list[int]:
         draft = self.draft
-        n = len(context) - 1
-        cache = DynamicCache()
-        last_hidden, last_logits = self._head(self._first_step(context, torch.cat(self.aux), cache)[:, -1:])
+        if self.aux:  # step 0 over the newly confirmed positions
+            aux, self.aux = torch.cat(self.aux), []
+            start = self.positions
+            self.positions += aux.shape[0]
+            assert self.positions == len(context) - 1, (self.positions, len(context))
+            self.last = self._step_0(context[start + 1 :], aux, start, self.cache)[:, -1:]
+        n = self.positions
+        last_hidden, last_logits = self._head(self.last)
         proposal = []
         for step in range(k):
             [token] = self._to_verifier_ids(last_logits[0, -1].argmax(-1, keepdim=True))
@@ -135,7 +146,9 @@ class Eagle3Proposer:
             embeds = draft.embed_tokens(torch.tensor([[token]], device=last_hidden.device))
             hidden = torch.cat([embeds, last_hidden], dim=-1)
             position_ids = torch.tensor([[n + 1 + step]], device=last_hidden.device)
-            last_hidden, last_logits = self._head(self._layers(hidden, None, position_ids, cache))
+            last_hidden, last_logits = self._head(self._layers(hidden, None, position_ids, self.cache))
+        if chained := self.cache.get_seq_length() - n:  # crop(-0) would empty the cache
+            self.cache.crop(-chained)
         return proposal
 
     @torch.inference_mode()
@@ -143,7 +156,7 @@ class Eagle3Proposer:
         """What the draft proposes first after each prefix `sequence[:i + 2]`, i = 0 .. len - 2, from
         one forward: teacher-forced, as validation's step-0 accuracy is measured. `aux`: the
         verifier's aux states of sequence[:-1]."""
-        _, logits = self._head(self._first_step(sequence, aux, None))
+        _, logits = self._head(self._step_0(sequence[1:], aux, 0, None))
         return self._to_verifier_ids(logits[0].argmax(-1))
 
 

@@ -139,6 +139,32 @@ def test_every_drafted_token_matches_its_training_forward(exported, verifier_mod
     assert chain == [int(t.argmax()) + int(draft.d2t[int(t.argmax())]) for t in trained]
 
 
+def test_step_0_extended_round_by_round_proposes_what_step_0_over_the_whole_context_proposes(exported, verifier_model):
+    """The proposer runs step 0 once per confirmed position, extending its cache by the tokens each
+    round confirmed (1 to k + 1) and cropping the chained steps' entries after proposing: each
+    round's chain and step-0 state equal a fresh proposer's given the whole context at once."""
+    store, verifier, hidden, checkpoint = exported
+    model, capture = verifier_model
+    draft = load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double()
+    sequence = PROMPT + greedy_decode(DynamicForward(model, capture), PROMPT, 20, set()).tokens
+    with torch.no_grad():
+        model(input_ids=torch.tensor([sequence]))
+    aux = capture.stacked()[0, :, :-1]  # aux[i]: the states of sequence[i]
+    proposer, confirmed = Eagle3Proposer(draft), len(PROMPT)
+    proposer.observe(aux[:confirmed])
+
+    for accepted in [0, 3, 1, 2, 0, 3]:  # each round confirms accepted + 1 tokens
+        context = sequence[: confirmed + 1]
+        chain = proposer.propose(context, 3)
+        fresh = Eagle3Proposer(draft)
+        fresh.observe(aux[:confirmed])
+        assert chain == fresh.propose(context, 3), confirmed
+        torch.testing.assert_close(proposer.last, fresh.last)
+        assert proposer.cache.get_seq_length() == confirmed  # the chained steps' entries are gone
+        proposer.observe(aux[confirmed : confirmed + accepted + 1])
+        confirmed += accepted + 1
+
+
 def test_teacher_forced_first_tokens_are_the_proposals_and_the_training_step_0(exported, verifier_model):
     """`first_tokens` is what `propose` drafts first after every prefix, and the argmax of the
     training forward's step-0 logits at every position: the per-token accuracy validation reports."""

@@ -115,6 +115,8 @@ class Eagle3Proposer:
         ids = torch.tensor([tokens], device=features.device)
         hidden = torch.cat([draft.embed_tokens(ids), features], dim=-1)
         position_ids = torch.arange(start + 1, start + m + 1, device=features.device).unsqueeze(0)
+        if m == 1:  # one query sees every key: no mask, as for the chained steps
+            return self._layers(hidden, None, position_ids, cache)
         causal = torch.full((m, start + m), float("-inf"), device=features.device, dtype=features.dtype).triu(start + 1)
         return self._layers(hidden, causal[None, None], position_ids, cache)
 

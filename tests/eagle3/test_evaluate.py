@@ -153,12 +153,12 @@ def test_step_0_extended_round_by_round_proposes_what_step_0_over_the_whole_cont
     proposer, confirmed = Eagle3Proposer(draft), len(PROMPT)
     proposer.observe(aux[:confirmed])
 
-    for accepted in [0, 3, 1, 2, 0, 3]:  # each round confirms accepted + 1 tokens
+    for accepted, k in [(0, 3), (3, 3), (0, 1), (1, 1), (2, 3), (0, 3), (3, 3)]:  # each round confirms accepted + 1 tokens
         context = sequence[: confirmed + 1]
-        chain = proposer.propose(context, 3)
+        chain = proposer.propose(context, k)
         fresh = Eagle3Proposer(draft)
         fresh.observe(aux[:confirmed])
-        assert chain == fresh.propose(context, 3), confirmed
+        assert chain == fresh.propose(context, k), confirmed
         torch.testing.assert_close(proposer.last, fresh.last)
         assert proposer.cache.get_seq_length() == confirmed  # the chained steps' entries are gone
         proposer.observe(aux[confirmed : confirmed + accepted + 1])
@@ -446,10 +446,10 @@ def test_a_killed_evaluation_resumes_at_its_first_undecoded_prompt(exported, two
     assert claims == []
 
 
-def test_an_unfinished_evaluation_reports_the_evaluations_own_figures_over_the_prompts_it_finished(exported, two_prompts, tmp_path):
+def test_an_unfinished_evaluation_reports_the_evaluations_own_figures_over_the_prompts_it_finished(exported, two_prompts, tmp_path, monkeypatch):
     """`bench/unfinished_evaluation.py` reads an evaluation's done log as `evaluate` summarizes it,
     pairing n-gram's decodes of the same prompts from the baselines artifact."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     import unfinished_evaluation
 
     store, verifier, hidden, checkpoint = exported
@@ -472,10 +472,13 @@ def test_an_unfinished_evaluation_reports_the_evaluations_own_figures_over_the_p
         assert (row["mismatches"], row["tokens"]) == (0, baselines.num_tokens)
         assert list(row["by_category"]) == ["math", "writing"]
 
-    log.write_text(log.read_text().splitlines(keepends=True)[1])  # only the second prompt finished
+    first, second = log.read_text().splitlines(keepends=True)
+    measured_on = json.loads(second)["measured_on"]
+    stale = json.dumps({**json.loads(second), "measured_on": "another device"}) + "\n"
+    log.write_text(stale + second + first[:20])  # the second prompt decoded again on resume; the first's line torn by a kill
     second = unfinished_evaluation.summarize(unfinished_evaluation.read_done(log), baselines.path, None)
 
-    assert second["prompts"] == [1]
+    assert second["prompts"] == [1] and second["measured_on"] == [measured_on]
     for k in cfg.ks:
         row = second["by_k"][str(k)]
         assert row["eagle3"] == round(tau_from_counts(full.counts("eagle3", k)[1:]), 3)

@@ -210,12 +210,13 @@ def eval_row(evaluation: dict, baseline: dict | None) -> dict:
 def by_category(evaluation: dict, prompts: Path, store: Path, k: int = 3) -> dict | None:
     """Per `category` of the prompts (MT-bench's eight): see `category_rows`. None where the
     prompts have no category or the evaluation kept no per-prompt counts."""
+    from eagle3.prepare_dataset import read_records
     from eagle3.store import ArtifactStore
     from eagle3.tau import read_counts
 
     artifact = ArtifactStore(store).artifact_dir(evaluation["digest"])  # not the manifest's path: stores get copied
     draft, ngram = read_counts(artifact, "eagle3", k), read_counts(artifact, "ngram", k)
-    categories = [json.loads(line).get("category") for line in _lines(prompts)[: evaluation["num_prompts"]]]
+    categories = [record.get("category") for _, record in read_records(prompts)][: evaluation["num_prompts"]]
     if draft is None or ngram is None or None in categories:
         return None
     return category_rows(draft, ngram, categories, k)

@@ -24,10 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quality import category_rows, markdown_table, print_categories  # noqa: E402
 
-from eagle3.baseline import REFERENCE, decode_summary  # noqa: E402
+from eagle3.baseline import REFERENCE  # noqa: E402
+from eagle3.done_log import parse_done  # noqa: E402
+from eagle3.evaluate import summarize_decodes  # noqa: E402
 from eagle3.prepare_dataset import read_records  # noqa: E402
-from eagle3.speculative import DecodeStats  # noqa: E402
-from eagle3.tau import PER_PROMPT, gain_over, per_prompt_counts, tau_from_counts, tau_standard_error  # noqa: E402
+from eagle3.tau import PER_PROMPT, tau_from_counts, tau_standard_error  # noqa: E402
 
 
 def _rounded(x: float | None) -> float | None:
@@ -35,18 +36,10 @@ def _rounded(x: float | None) -> float | None:
 
 
 def read_done(path: Path) -> list[dict]:
-    """The finished prompts' entries, in prompt order. As the evaluation reads its log: a last line
-    without its newline (a write cut short by the kill) is skipped, and of a prompt logged twice (a
-    resumed run decoding again what another device or forward measured) the later entry counts."""
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
-        text = f.read()
-    complete = text[: text.rfind("\n") + 1]
-    by_id = {entry["id"]: entry for entry in map(json.loads, complete.splitlines())}
-    return [by_id[i] for i in sorted(by_id)]
-
-
-def _ratio(numerator: int, denominator: int) -> float | None:
-    return round(numerator / denominator, 3) if denominator else None  # nothing drafted: every answer one token long
+    """The finished prompts' entries, in prompt order, read as the evaluation reads its log."""
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        done = parse_done(f.read(), path, "prompt")
+    return [done[i] for i in sorted(done)]
 
 
 def summarize(entries: list[dict], baseline: Path, prompts: Path | None) -> dict:
@@ -54,45 +47,44 @@ def summarize(entries: list[dict], baseline: Path, prompts: Path | None) -> dict
     prompts (n-gram columns empty where the baselines did not decode at that k)."""
     ids = [entry["id"] for entry in entries]
     references = json.loads((baseline / REFERENCE).read_text())
-    ngram = json.loads((baseline / PER_PROMPT).read_text())["ngram"]
+    ks = [int(k) for k in entries[0]["runs"]]
+    ngram = {int(k): [tuple(c[i]) for i in ids] for k, c in json.loads((baseline / PER_PROMPT).read_text())["ngram"].items() if int(k) in ks}
+    draft = summarize_decodes(ks, entries, [references[i] for i in ids], ngram)
     categories = [record.get("category") for _, record in read_records(prompts)] if prompts else None
-    drafted = sum(entry["drafted"] for entry in entries)
+    gains = {g["k"]: g for g in draft.gains_over_ngram}
     summary = {
         "prompts": ids,
         "of_prompts": len(references),
         "measured_on": sorted({entry["measured_on"] for entry in entries}),
-        "draft_token_accuracy": _ratio(sum(entry["correct"] for entry in entries), drafted),
-        "draft_vocab_coverage": _ratio(sum(entry["covered"] for entry in entries), drafted),
+        "mismatches": draft.mismatches,
+        "draft_token_accuracy": _rounded(draft.draft_token_accuracy),
+        "draft_vocab_coverage": _rounded(draft.draft_vocab_coverage),
         "by_k": {},
     }
-    for k in entries[0]["runs"]:
-        runs = [DecodeStats(**entry["runs"][k]) for entry in entries]
-        draft, draft_counts = decode_summary("eagle3", int(k), runs), per_prompt_counts(runs)
+    for result in draft.results:
+        k = result["k"]
         row = {
-            "tokens": draft["tokens"],
-            "mismatches": sum(run.tokens != references[i] for run, i in zip(runs, ids)),
-            "eagle3": round(draft["tau"], 3),
-            "eagle3_se": _rounded(draft["tau_standard_error"]),
-            "accepted_by_position": [round(a, 3) for a in draft["acceptance_by_position"]],
-            "eagle3_tokens_per_s": round(draft["tokens_per_s"], 1),
-            "ngram": None, "ngram_se": None, "gain": None, "gain_se": None,
+            "tokens": result["tokens"],
+            "eagle3": round(result["tau"], 3),
+            "eagle3_se": _rounded(result["tau_standard_error"]),
+            "ngram": _rounded(tau_from_counts(ngram[k])) if k in ngram else None,
+            "ngram_se": _rounded(tau_standard_error(ngram[k])) if k in ngram else None,
+            "gain": _rounded(gains[k]["gain"]) if k in gains else None,
+            "gain_se": _rounded(gains[k]["standard_error"]) if k in gains else None,
+            "accepted_by_position": [round(a, 3) for a in result["acceptance_by_position"]],
+            "eagle3_tokens_per_s": round(result["tokens_per_s"], 1),
         }
-        if k in ngram:
-            ngram_counts = [tuple(ngram[k][i]) for i in ids]
-            gain, gain_error = gain_over(draft_counts, ngram_counts)
-            row.update(ngram=round(tau_from_counts(ngram_counts), 3), ngram_se=_rounded(tau_standard_error(ngram_counts)),
-                       gain=_rounded(gain), gain_se=_rounded(gain_error))
-            if categories and None not in categories:
-                row["by_category"] = category_rows(draft_counts, ngram_counts, [categories[i] for i in ids], int(k))
-        summary["by_k"][k] = row
+        if k in ngram and categories and None not in categories:
+            row["by_category"] = category_rows(draft.counts[k], ngram[k], [categories[i] for i in ids], k)
+        summary["by_k"][str(k)] = row
     return summary
 
 
 def print_summary(summary: dict) -> None:
     print(f"{len(summary['prompts'])} of {summary['of_prompts']} prompts finished, measured on {', '.join(summary['measured_on'])}; "
-          f"first-token accuracy {summary['draft_token_accuracy']}, draft vocab coverage {summary['draft_vocab_coverage']}")
-    columns = ["eagle3", "eagle3_se", "ngram", "ngram_se", "gain", "gain_se", "accepted_by_position", "tokens", "mismatches",
-               "eagle3_tokens_per_s"]
+          f"first-token accuracy {summary['draft_token_accuracy']}, draft vocab coverage {summary['draft_vocab_coverage']}; "
+          f"{summary['mismatches']} decodes differ from greedy")
+    columns = ["eagle3", "eagle3_se", "ngram", "ngram_se", "gain", "gain_se", "accepted_by_position", "tokens", "eagle3_tokens_per_s"]
     print(markdown_table("k", summary["by_k"], columns))
     for k, row in summary["by_k"].items():
         if categories := row.get("by_category"):

@@ -13,7 +13,7 @@ from typing import TextIO
 
 from eagle3.store import ArtifactError
 
-__all__ = ["DONE_LOG", "append_done", "read_done"]
+__all__ = ["DONE_LOG", "append_done", "parse_done", "read_done"]
 
 logger = logging.getLogger(__name__)
 DONE_LOG = "done.jsonl"
@@ -35,13 +35,23 @@ def read_done(path: Path, unit: str) -> dict:
     if not path.exists():
         return {}
     data = path.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) < len(data):
+    complete = data.rfind(b"\n") + 1
+    if complete < len(data):
         logger.warning("%s: dropping an incomplete last line (%d bytes, a write cut short); its %s is redone",
-                       path, len(data) - len(complete), unit)
-        os.truncate(path, len(complete))
+                       path, len(data) - complete, unit)
+        os.truncate(path, complete)
+    return parse_done(data, path, unit)
+
+
+def parse_done(data: bytes, path: Path, unit: str) -> dict:
+    """Finished entries by id from a log's bytes (`path` names it in errors): a last line without
+    its newline is left out, and of a unit logged twice (decoded again on resume) the later entry counts.
+
+    Raises:
+        ArtifactError: a complete line is not JSON (names the file and line).
+    """
     done = {}
-    for number, line in enumerate(complete.decode().splitlines(), 1):
+    for number, line in enumerate(data[: data.rfind(b"\n") + 1].decode().splitlines(), 1):
         try:
             entry = json.loads(line)
         except json.JSONDecodeError as exc:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3 import baseline, endpoint, served_acceptance, speculative, tau, verifier as verifier_module, verifier_forward
+from eagle3 import baseline, draft_proposer, endpoint, served_acceptance, speculative, tau, verifier as verifier_module, verifier_forward
 from eagle3.baseline import BaselineManifest, DecodingModel, chat_prompts, decode_remaining, decode_summary, read_prompts
 from eagle3.config import EvalConfig
 from eagle3.done_log import DONE_LOG, read_done
@@ -43,16 +43,17 @@ from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStateCapture, HiddenStatesManifest
 from eagle3.isolation import NO_GPU, GpuClaim, in_process_device
 from eagle3.served_acceptance import measure_served_acceptance
-from eagle3.speculative import DecodeStats, Eagle3Proposer, draft_token_accuracy, speculative_decode
+from eagle3.draft_proposer import Eagle3Proposer, draft_token_accuracy
+from eagle3.speculative import DecodeStats, speculative_decode
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
 from eagle3.tau import PER_PROMPT, Counts, gain_over, per_prompt_counts, read_counts
 from eagle3.verifier import VerifierManifest
 
-__all__ = ["EvalManifest", "eval_prompts_source", "evaluate", "load_draft"]
+__all__ = ["DraftDecodes", "EvalManifest", "eval_prompts_source", "evaluate", "load_draft", "summarize_decodes"]
 
 logger = logging.getLogger(__name__)
 # What else computes the numbers: a change to any of them re-measures.
-CODE_DEPENDENCIES = (speculative, verifier_forward, served_acceptance, endpoint, baseline, tau, verifier_module)
+CODE_DEPENDENCIES = (speculative, draft_proposer, verifier_forward, served_acceptance, endpoint, baseline, tau, verifier_module)
 
 
 class EvalManifest(ArtifactManifest):
@@ -137,25 +138,50 @@ def _decode_prompts(
         capture.close()
 
 
-def _summarize(cfg: EvalConfig, entries: list[dict], references: list[list[int]], baselines: BaselineManifest) -> _Measured:
-    """The figures of the draft's decodes of every prompt (`entries`, in prompt order)."""
-    runs = {k: [DecodeStats(**entry["runs"][str(k)]) for entry in entries] for k in cfg.ks}
-    mismatches = sum(run.tokens != reference for k_runs in runs.values() for run, reference in zip(k_runs, references))
-    if mismatches:
-        logger.warning("%d speculative decodes differ from plain greedy decoding (numerical ties?)", mismatches)
+@dataclass(frozen=True)
+class DraftDecodes:
+    """The figures of the draft's decodes of some prompts, beside n-gram's decodes of the same ones."""
+
+    results: list[dict]  # per k: tau, its standard error, acceptance by position, speed (`decode_summary`)
+    mismatches: int  # decodes (all k) that differ from the greedy reference
+    draft_token_accuracy: float | None  # None: nothing was drafted (every answer one token long)
+    draft_vocab_coverage: float | None
+    gains_over_ngram: list[dict]  # per k n-gram was measured at: the draft's gain, paired standard error
+    counts: dict[int, Counts]  # per k: each prompt's (tokens, passes)
+
+
+def summarize_decodes(ks: list[int], entries: list[dict], references: list[list[int]], ngram: dict[int, Counts]) -> DraftDecodes:
+    """`entries`: the evaluation's logged prompts; `references`: their greedy outputs, and `ngram`
+    (per k): n-gram's counts of the same prompts, in the same order."""
+    runs = {k: [DecodeStats(**entry["runs"][str(k)]) for entry in entries] for k in ks}
     correct, covered, drafted = (sum(entry[field] for entry in entries) for field in ("correct", "covered", "drafted"))
-    draft_counts = {k: per_prompt_counts(r) for k, r in runs.items()}
-    ngram_counts = {k: counts for k in runs if (counts := baselines.counts("ngram", k)) is not None}
-    return _Measured(
-        results=[decode_summary("eagle3", k, r) for k, r in runs.items()] + baselines.results,
-        num_tokens=baselines.num_tokens,
-        greedy_tokens_per_s=baselines.greedy_tokens_per_s,
-        mismatches=mismatches + baselines.mismatches,
+    counts = {k: per_prompt_counts(r) for k, r in runs.items()}
+    return DraftDecodes(
+        results=[decode_summary("eagle3", k, r) for k, r in runs.items()],
+        mismatches=sum(run.tokens != reference for k_runs in runs.values() for run, reference in zip(k_runs, references)),
         draft_token_accuracy=correct / drafted if drafted else None,
         draft_vocab_coverage=covered / drafted if drafted else None,
+        gains_over_ngram=[_gain_row(k, counts[k], ngram[k]) for k in ks if k in ngram],
+        counts=counts,
+    )
+
+
+def _summarize(cfg: EvalConfig, entries: list[dict], references: list[list[int]], baselines: BaselineManifest) -> _Measured:
+    """The figures of the draft's decodes of every prompt (`entries`, in prompt order)."""
+    ngram = {k: counts for k in cfg.ks if (counts := baselines.counts("ngram", k)) is not None}
+    draft = summarize_decodes(cfg.ks, entries, references, ngram)
+    if draft.mismatches:
+        logger.warning("%d speculative decodes differ from plain greedy decoding (numerical ties?)", draft.mismatches)
+    return _Measured(
+        results=draft.results + baselines.results,
+        num_tokens=baselines.num_tokens,
+        greedy_tokens_per_s=baselines.greedy_tokens_per_s,
+        mismatches=draft.mismatches + baselines.mismatches,
+        draft_token_accuracy=draft.draft_token_accuracy,
+        draft_vocab_coverage=draft.draft_vocab_coverage,
         measured_on=entries[0]["measured_on"],
-        gains_over_ngram=[_gain_row(k, draft_counts[k], counts) for k, counts in ngram_counts.items()],
-        per_prompt={"eagle3": draft_counts, "ngram": ngram_counts},
+        gains_over_ngram=draft.gains_over_ngram,
+        per_prompt={"eagle3": draft.counts, "ngram": ngram},
     )
 
 

@@ -5,9 +5,10 @@ scores them in one forward pass (KV cache on) and keeps the longest prefix that 
 argmax, plus one token of its own. Output is therefore token-for-token what plain greedy
 decoding produces; tau (tokens per verifier pass) is what the draft buys.
 
-Two proposers: `Eagle3Proposer` (an exported speculators EAGLE-3 checkpoint, run the way it was
-trained: step 0 over the context from the verifier's aux hidden states, then its own outputs) and
-`NgramProposer` (prompt lookup: the baseline that needs no trained draft).
+A proposer drafts from the context (and, for an EAGLE-3 draft, the verifier's aux hidden states,
+which it is shown as they come): `NgramProposer` here (prompt lookup: the baseline that needs no
+trained draft), `eagle3.draft_proposer.Eagle3Proposer` for a trained draft. The draft lives in its
+own module so that changing it leaves the baselines' cache key alone.
 """
 
 from __future__ import annotations
@@ -16,11 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from eagle3.extract_hidden_states import HiddenStateCapture
-
-__all__ = ["DecodeStats", "Eagle3Proposer", "NgramProposer", "draft_token_accuracy", "greedy_decode", "speculative_decode"]
+__all__ = ["DecodeStats", "NgramProposer", "greedy_decode", "speculative_decode"]
 
 
 @dataclass
@@ -37,7 +35,7 @@ class NgramProposer:
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
 
-    def reset(self, prompt_len: int) -> None:
+    def reset(self) -> None:
         pass
 
     def observe(self, aux_states: torch.Tensor | None) -> None:
@@ -54,114 +52,6 @@ class NgramProposer:
         return []
 
 
-class Eagle3Proposer:
-    """Runs a speculators `Eagle3DraftModel` autoregressively for k steps.
-
-    Mirrors the model's training forward: at the position of token x_{t+1} the draft reads
-    embed(x_{t+1}) and fc(aux states of x_t); each later step reads its previous output and the
-    token it drafted. The draft's KV cache holds step 0 over the whole confirmed context and one
-    entry per chained step, which is the attention pattern test-time training teaches. Step 0 runs
-    once per confirmed position: each round extends the cache over the tokens the verifier just
-    confirmed, and the chained steps' entries are cropped off again after proposing.
-    """
-
-    def __init__(self, draft):
-        if draft.fc_norm is not None or draft.sliding_window_indices:
-            raise ValueError(
-                "this draft uses fc_norm or sliding-window layers, which the evaluation's own decoding does not "
-                "run; measure it with evaluate.backend=vllm"
-            )
-        self.draft = draft.eval()
-        self.reset(0)
-
-    def reset(self, prompt_len: int) -> None:
-        self.aux: list[torch.Tensor] = []  # aux states observed that step 0 has not run over yet
-        self.cache = DynamicCache()  # step 0 over the confirmed context
-        self.positions = 0  # how many positions the cache holds
-        self.last: torch.Tensor | None = None  # step 0's output at the last of them
-
-    def observe(self, aux_states: torch.Tensor) -> None:
-        """Aux hidden states [tokens, 3, H] of newly confirmed tokens, in order."""
-        self.aux.append(aux_states)
-
-    def _layers(self, hidden, mask, position_ids, cache):
-        """The draft's layers over `hidden`, at every position."""
-        draft = self.draft
-        position_embeddings = draft.rotary_emb(hidden, position_ids)
-        for layer in draft.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                           position_embeddings=position_embeddings)
-        return hidden
-
-    def _head(self, hidden):
-        """The state the next TTT step reads, and the vocabulary logits (draft ids)."""
-        draft = self.draft
-        if draft.config.norm_output:
-            hidden = draft.norm(hidden)
-            return hidden, draft.lm_head(hidden)
-        return hidden, draft.lm_head(draft.norm(hidden))
-
-    def _step_0(self, tokens: list[int], aux: torch.Tensor, start: int, cache):
-        """TTT step 0 at positions start+1 .. start+m, after the `start` ones in `cache`: at the
-        position of tokens[i] the draft reads embed(tokens[i]) and fc(aux[i]), the aux states of
-        the token before it. Returns the layers' output [1, m, H]."""
-        draft = self.draft
-        m = aux.shape[0]
-        assert m == len(tokens), (m, len(tokens))
-        features = aux.reshape(1, m, -1).to(draft.fc.weight.dtype)
-        if draft.input_norm is not None:
-            features = draft.input_norm(features)
-        features = draft.fc(features)  # [1, m, H]
-        ids = torch.tensor([tokens], device=features.device)
-        hidden = torch.cat([draft.embed_tokens(ids), features], dim=-1)
-        position_ids = torch.arange(start + 1, start + m + 1, device=features.device).unsqueeze(0)
-        if m == 1:  # one query sees every key: no mask, as for the chained steps
-            return self._layers(hidden, None, position_ids, cache)
-        causal = torch.full((m, start + m), float("-inf"), device=features.device, dtype=features.dtype).triu(start + 1)
-        return self._layers(hidden, causal[None, None], position_ids, cache)
-
-    def in_vocabulary(self, tokens: list[int]) -> int:
-        """How many of `tokens` (verifier ids) the draft can propose at all: its vocabulary is the
-        verifier's most frequent training tokens, so a token outside it is always a rejection."""
-        return int(self.draft.t2d[torch.tensor(tokens, dtype=torch.long, device=self.draft.t2d.device)].sum())
-
-    def _to_verifier_ids(self, draft_ids: torch.Tensor) -> list[int]:
-        return (draft_ids + self.draft.d2t[draft_ids]).tolist()
-
-    @torch.inference_mode()
-    def propose(self, context: list[int], k: int) -> list[int]:
-        draft = self.draft
-        if self.aux:  # step 0 over the newly confirmed positions
-            aux, self.aux = torch.cat(self.aux), []
-            start = self.positions
-            self.positions += aux.shape[0]
-            assert self.positions == len(context) - 1, (self.positions, len(context))
-            self.last = self._step_0(context[start + 1 :], aux, start, self.cache)[:, -1:]
-        n = self.positions
-        last_hidden, last_logits = self._head(self.last)
-        proposal = []
-        for step in range(k):
-            [token] = self._to_verifier_ids(last_logits[0, -1].argmax(-1, keepdim=True))
-            proposal.append(token)
-            if step == k - 1:
-                break
-            embeds = draft.embed_tokens(torch.tensor([[token]], device=last_hidden.device))
-            hidden = torch.cat([embeds, last_hidden], dim=-1)
-            position_ids = torch.tensor([[n + 1 + step]], device=last_hidden.device)
-            last_hidden, last_logits = self._head(self._layers(hidden, None, position_ids, self.cache))
-        if chained := self.cache.get_seq_length() - n:  # crop(-0) would empty the cache
-            self.cache.crop(-chained)
-        return proposal
-
-    @torch.inference_mode()
-    def first_tokens(self, sequence: list[int], aux: torch.Tensor) -> list[int]:
-        """What the draft proposes first after each prefix `sequence[:i + 2]`, i = 0 .. len - 2, from
-        one forward: teacher-forced, as validation's step-0 accuracy is measured. `aux`: the
-        verifier's aux states of sequence[:-1]."""
-        _, logits = self._head(self._step_0(sequence[1:], aux, 0, None))
-        return self._to_verifier_ids(logits[0].argmax(-1))
-
-
 @torch.inference_mode()
 def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int, k: int, eos_ids: set[int]) -> DecodeStats:
     """Generate greedily with drafts from `proposer`; stops at an EOS token or `max_new_tokens`.
@@ -169,7 +59,7 @@ def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int
     reads (none for n-gram)."""
     start = time.perf_counter()
     forward.reset()
-    proposer.reset(len(prompt))
+    proposer.reset()
     argmax, aux = forward(prompt)
     proposer.observe(aux)
     context = prompt + [argmax[-1]]
@@ -192,21 +82,6 @@ def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int
             context.append(token)
     stats.seconds = time.perf_counter() - start
     return stats
-
-
-@torch.inference_mode()
-def draft_token_accuracy(model, capture: HiddenStateCapture, proposer: Eagle3Proposer, prompt: list[int], continuation: list[int]) -> tuple[int, int]:
-    """(correct, total) over the positions a draft is asked for (every generated token but the
-    first): is the draft's first token after the true prefix the next token of `continuation`, the
-    verifier's greedy output? Validation's step-0 accuracy, per token, on the eval prompts; measured
-    acceptance counts per verifier pass instead, and passes start more often where drafting is hard."""
-    sequence = prompt + continuation
-    drafted = range(len(prompt) - 1, len(sequence) - 2)  # predicted[i] is the proposal for sequence[i + 2]
-    if not drafted:
-        return 0, 0
-    model(input_ids=torch.tensor([sequence[:-1]], device=next(model.parameters()).device), use_cache=False)
-    predicted = proposer.first_tokens(sequence, capture.stacked()[0, :, :-1].float())
-    return sum(predicted[i] == sequence[i + 2] for i in drafted), len(drafted)
 
 
 @torch.inference_mode()

@@ -24,12 +24,19 @@ from transformers import Cache, DynamicCache
 from eagle3.extract_hidden_states import HiddenStateCapture
 from eagle3.speculative import greedy_decode, speculative_decode
 
-__all__ = ["DynamicForward", "StaticForward", "decodes_like_dynamic", "forward_for", "full_attention_only"]
+__all__ = ["DynamicForward", "StaticForward", "aux_states", "decodes_like_dynamic", "drop_last", "forward_for", "full_attention_only"]
 
 logger = logging.getLogger(__name__)
 
 
-def _aux_states(capture: HiddenStateCapture | None) -> torch.Tensor | None:
+def drop_last(cache: DynamicCache, n: int) -> None:
+    """Forget the last `n` positions of `cache` (a negative crop: transformers 5.18 drops positive
+    ones; and crop(-0) would empty the cache on some versions)."""
+    if n:
+        cache.crop(-n)
+
+
+def aux_states(capture: HiddenStateCapture | None) -> torch.Tensor | None:
     """The last forward's aux states [tokens, 3, H], what an EAGLE-3 draft reads (None without capture)."""
     return capture.stacked()[0, :, :-1].float() if capture else None
 
@@ -51,12 +58,11 @@ class DynamicForward:
     def __call__(self, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """Append `ids`; the verifier's argmax after each, and their aux states [len(ids), 3, H] (None without capture)."""
         out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache, use_cache=True)
-        return out.logits[0].argmax(-1).tolist(), _aux_states(self.capture)
+        return out.logits[0].argmax(-1).tolist(), aux_states(self.capture)
 
     def rollback(self, n: int) -> None:
         """Forget the last `n` tokens."""
-        if n:  # crop(-0) would empty the cache
-            self.cache.crop(-n)
+        drop_last(self.cache, n)
 
 
 class _FixedCache(Cache):
@@ -126,7 +132,7 @@ class StaticForward:
         mask.masked_fill_(self.columns[None, :] <= positions[:, None], 0.0)  # [q, max_len], additive: causal over the buffers
         out = self.model(input_ids=ids, position_ids=positions[None], attention_mask=mask[None, None], past_key_values=self.cache,
                          use_cache=True)
-        return out.logits[0].argmax(-1), _aux_states(self.capture)
+        return out.logits[0].argmax(-1), aux_states(self.capture)
 
     def _capture(self, ids: torch.Tensor, positions: torch.Tensor) -> _Graph:
         """Capture the pass of `ids` at `positions`: the warm-up runs it for real (writing the same
@@ -197,7 +203,7 @@ class _ReplayProposer:
     def __init__(self, reference: list[int], prompt_len: int):
         self.reference, self.prompt_len = reference, prompt_len
 
-    def reset(self, prompt_len: int) -> None:
+    def reset(self) -> None:
         pass
 
     def observe(self, aux_states) -> None:

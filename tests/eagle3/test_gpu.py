@@ -19,7 +19,8 @@ from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_stat
 from eagle3.isolation import fixed_devices
 from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
 from eagle3.regenerate import regenerate
-from eagle3.speculative import Eagle3Proposer, NgramProposer, greedy_decode, speculative_decode
+from eagle3.draft_proposer import Eagle3Proposer
+from eagle3.speculative import NgramProposer, greedy_decode, speculative_decode
 from eagle3.store import ArtifactStore, Provenance
 from eagle3.train import train_draft
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier

@@ -265,7 +265,7 @@ class PromotionConfig(_Group):
         0.0,
         ge=0,
         description="A checkpoint is promoted when its tau exceeds the best earlier promoted checkpoint's "
-        "(same verifier, eval prompts, k, max_new_tokens and prompt count) by more than this; "
+        "(same verifier, eval prompts, k, max_new_tokens, prompt count, backend and dtype) by more than this; "
         "0: any improvement, a tie keeps the earlier one.",
     )
     min_standard_errors: float = Field(

@@ -28,7 +28,7 @@ from eagle3.baseline import REFERENCE  # noqa: E402
 from eagle3.done_log import parse_done  # noqa: E402
 from eagle3.evaluate import summarize_decodes  # noqa: E402
 from eagle3.prepare_dataset import read_records  # noqa: E402
-from eagle3.tau import PER_PROMPT, tau_from_counts, tau_standard_error  # noqa: E402
+from eagle3.tau import read_counts, tau_from_counts, tau_standard_error  # noqa: E402
 
 
 def _rounded(x: float | None) -> float | None:
@@ -48,7 +48,7 @@ def summarize(entries: list[dict], baseline: Path, prompts: Path | None) -> dict
     ids = [entry["id"] for entry in entries]
     references = json.loads((baseline / REFERENCE).read_text())
     ks = [int(k) for k in entries[0]["runs"]]
-    ngram = {int(k): [tuple(c[i]) for i in ids] for k, c in json.loads((baseline / PER_PROMPT).read_text())["ngram"].items() if int(k) in ks}
+    ngram = {k: [counts[i] for i in ids] for k in ks if (counts := read_counts(baseline, "ngram", k)) is not None}
     draft = summarize_decodes(ks, entries, [references[i] for i in ids], ngram)
     categories = [record.get("category") for _, record in read_records(prompts)] if prompts else None
     gains = {g["k"]: g for g in draft.gains_over_ngram}

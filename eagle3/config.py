@@ -157,7 +157,8 @@ class ExtractConfig(_Group):
     aux_layer_ids: list[int] | None = Field(
         None,
         description="Verifier layers whose outputs feed the draft (id k = residual stream after "
-        "layer k, 0 = embeddings). None: [2, n//2, n-3]. Exactly 3: some vLLM builds crash on 4.",
+        "layer k, 0 = embeddings). None: [2, n//2, n-3]. Exactly 3 (some vLLM builds crash on 4), "
+        "ascending (vLLM hands them to the draft in layer order).",
     )
     records_per_shard: int = Field(256, ge=1, description="Samples per hidden-state shard (the unit of resume).")
     prefill_batch_tokens: int = Field(
@@ -173,6 +174,9 @@ class ExtractConfig(_Group):
     def _three_distinct(cls, ids: list[int] | None) -> list[int] | None:
         if ids is not None and (len(ids) != 3 or len(set(ids)) != 3):
             raise ValueError(f"needs exactly 3 distinct layer ids, got {ids}")
+        if ids is not None and ids != sorted(ids):
+            # vLLM collects a served draft's aux states while its layers run: in layer order
+            raise ValueError(f"needs the layer ids in ascending order, as vLLM hands them to the draft: {sorted(ids)}, not {ids}")
         return ids
 
 

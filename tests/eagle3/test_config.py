@@ -50,9 +50,11 @@ def test_batch_and_device_knobs_are_not_output_affecting():
     assert fields == {"aux_layer_ids": [1, 2, 3], "records_per_shard": 256}
 
 
-def test_aux_layer_ids_must_be_three_distinct():
+def test_aux_layer_ids_must_be_three_distinct_in_layer_order():
     with pytest.raises(ConfigError, match="exactly 3 distinct"):
         load_config(None, ["extract.aux_layer_ids=[1, 1, 2]"])
+    with pytest.raises(ConfigError, match=r"ascending order, as vLLM hands them to the draft: \[1, 2, 3\], not \[3, 1, 2\]"):
+        load_config(None, ["extract.aux_layer_ids=[3, 1, 2]"])
 
 
 def test_promotion_k_must_be_an_evaluated_k():

@@ -23,6 +23,13 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run the pipeline (default: SmolLM2-135M on a bundled sample; on CUDA if seen, else CPU)")
     run.add_argument("--config", help="YAML file shaped like PipelineConfig")
     run.add_argument("overrides", nargs="*", help="key.sub=value, e.g. train.lr=1e-4 verifier.path=./my-model")
+    server = commands.add_parser(
+        "extraction-server", help="print the `vllm serve` command of a server that extracts hidden states (extract.backend=vllm)"
+    )
+    server.add_argument("--config", help="YAML file shaped like PipelineConfig (its verifier, extract.* and store_dir)")
+    server.add_argument("overrides", nargs="*", help="key.sub=value, as for `eagle3 run`")
+    server.add_argument("--storage", help="directory the server writes states to and this host reads (default: <store>/served-states)")
+    server.add_argument("--cpu", action="store_true", help="for a CPU build of vLLM: this package's connector in place of vLLM's CUDA one")
     limit = commands.add_parser("gpu-limit", help="create or resize the Prefect 'gpu' concurrency limit GPU steps claim")
     limit.add_argument("--gpus", type=int, help="slots (default: the GPUs this host sees)")
     lineage = commands.add_parser(
@@ -119,6 +126,35 @@ def _promoted(args) -> int:
     return 0
 
 
+def _extraction_server(args) -> int:
+    """Print the command for the configured verifier and aux layers: the layers a server captures are
+    fixed when it starts, so they come from the same configuration the run will use."""
+    import shlex
+    from pathlib import Path
+    from urllib.parse import urlsplit
+
+    import eagle3
+    from eagle3.extract_hidden_states import resolve_aux_layer_ids
+    from eagle3.served_extraction import server_args
+    from eagle3.store import ArtifactStore
+    from eagle3.verifier import resolve_verifier
+
+    config = load_config(args.config, args.overrides)
+    verifier = resolve_verifier(config.verifier, ArtifactStore(Path(config.store_dir).expanduser()))
+    aux = resolve_aux_layer_ids(config.extract.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
+    storage = Path(args.storage or Path(config.store_dir) / "served-states").expanduser().resolve()
+    endpoint = config.extract.endpoint
+    command = ["vllm", "serve", str(verifier.path), "--served-model-name", endpoint.model or "verifier"]
+    if port := urlsplit(endpoint.base_url).port:
+        command += ["--port", str(port)]
+    command += server_args([*aux, verifier.num_hidden_layers], storage, cpu=args.cpu)
+    environment = f"PYTHONPATH={shlex.quote(str(Path(eagle3.__file__).parents[1]))} " if args.cpu else ""
+    print(environment + shlex.join(command))
+    if endpoint.model is None:
+        print("eagle3: then run with extract.backend=vllm extract.endpoint.model=verifier", file=sys.stderr)
+    return 0
+
+
 def _gpu_limit(gpus: int | None) -> int:
     import torch
     from prefect.client.orchestration import get_client
@@ -186,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         return _gc(args)
     if args.command == "promoted":
         return _promoted(args)
+    if args.command == "extraction-server":
+        try:
+            return _extraction_server(args)
+        except ConfigError as exc:
+            print(f"eagle3: {exc}", file=sys.stderr)
+            return 2
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as exc:

@@ -153,7 +153,10 @@ class RegenerateConfig(_ServerCapableGroup):
     device: Device = Field("auto", description="Where the transformers backend generates.", json_schema_extra=_NO_KEY)
 
 
-class ExtractConfig(_Group):
+class ExtractConfig(_ServerCapableGroup):
+    _name: ClassVar[str] = "extract"
+    _server_backend: ClassVar[str] = "vllm"
+
     aux_layer_ids: list[int] | None = Field(
         None,
         description="Verifier layers whose outputs feed the draft (id k = residual stream after "
@@ -168,6 +171,13 @@ class ExtractConfig(_Group):
         256, ge=1, description="Out-of-memory back-off halves the budget down to this, then fails.", json_schema_extra=_NO_KEY
     )
     device: Device = Field("auto", description="Where the verifier runs the prefill.", json_schema_extra=_NO_KEY)
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="transformers: prefill batches of the verifier loaded by the step (on a GPU, in a child "
+        "process per attempt); vllm: one request per sample to a vLLM server started with the flags "
+        "`eagle3 extraction-server` prints (`endpoint`), for verifiers that need vLLM's parallelism.",
+    )
+    endpoint: EndpointConfig = Field(EndpointConfig(), description="The server, for backend 'vllm'.")
 
     @field_validator("aux_layer_ids")
     @classmethod

@@ -16,7 +16,7 @@ import openai
 
 from eagle3.config import EndpointConfig
 
-__all__ = ["EndpointError", "RequestRejected", "ServedAnswer", "chat", "open_client"]
+__all__ = ["EndpointError", "RequestRejected", "ServedAnswer", "chat", "open_client", "prefill"]
 
 _REJECTED = (openai.BadRequestError, openai.UnprocessableEntityError)
 
@@ -68,14 +68,7 @@ def chat(client: openai.OpenAI, cfg: EndpointConfig, messages: list[dict[str, st
         RequestRejected: the server refused this request (its message says why).
         EndpointError: the server could not answer after the retries.
     """
-    try:
-        response = client.chat.completions.create(model=cfg.model, messages=messages, **sampling)
-    except openai.APIStatusError as exc:
-        if isinstance(exc, _REJECTED) or exc.status_code == 413:
-            raise RequestRejected(_server_message(exc)) from exc
-        raise _unreachable(cfg, exc) from exc
-    except openai.APIError as exc:
-        raise _unreachable(cfg, exc) from exc
+    response = _request(cfg, lambda: client.chat.completions.create(model=cfg.model, messages=messages, **sampling))
     choice = response.choices[0]
     message = choice.message
     reasoning = getattr(message, "reasoning", None) or getattr(message, "reasoning_content", None)
@@ -85,6 +78,32 @@ def chat(client: openai.OpenAI, cfg: EndpointConfig, messages: list[dict[str, st
         finish_reason=choice.finish_reason,
         completion_tokens=response.usage.completion_tokens,
     )
+
+
+def prefill(client: openai.OpenAI, cfg: EndpointConfig, token_ids: list[int]):
+    """A one-token completion of the prompt `token_ids`, answered with the prompt's ids: how a
+    server that extracts hidden states is asked for those of a sample.
+
+    Raises:
+        RequestRejected: the server refused this request (its message says why).
+        EndpointError: the server could not answer after the retries.
+    """
+    return _request(
+        cfg,
+        lambda: client.completions.create(model=cfg.model, prompt=token_ids, max_tokens=1, extra_body={"return_token_ids": True}),
+    )
+
+
+def _request(cfg: EndpointConfig, send):
+    """`send()`, with the server's refusal of this request told apart from its failing to answer."""
+    try:
+        return send()
+    except openai.APIStatusError as exc:
+        if isinstance(exc, _REJECTED) or exc.status_code == 413:
+            raise RequestRejected(_server_message(exc)) from exc
+        raise _unreachable(cfg, exc) from exc
+    except openai.APIError as exc:
+        raise _unreachable(cfg, exc) from exc
 
 
 def _server_message(exc: openai.APIStatusError) -> str:

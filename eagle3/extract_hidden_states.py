@@ -1,9 +1,9 @@
 """Extract hidden states: run the verifier over every prepared sample and keep what the draft reads.
 
 Samples are grouped `records_per_shard` to a shard, in dataset order. A shard is content-addressed:
-its key hashes the verifier digest, the aux layer ids, this module's code version and the token
-ids of its samples, and it lives in the store's `shards/<key>/` where any run can reuse it. So
-appending records to a dataset extracts only the new (and the last, now longer) shards, and a
+its key hashes the verifier digest, the aux layer ids, this module's code version (and, from a
+server, the served model and the client's code) and the token ids of its samples, and it lives
+in the store's `shards/<key>/` where any run can reuse it. So appending records to a dataset extracts only the new (and the last, now longer) shards, and a
 killed run resumes at the first unfinished shard. Shard files `hs_{j}.safetensors` (j: position in
 the shard) hold speculators' format: `hidden_states` [seq, 4, H] bf16 (3 aux layers, then the
 final pre-norm state) and `token_ids` [seq] int64. A shard is written under `<key>.partial/` and
@@ -16,6 +16,9 @@ Samples are sorted by length and padded into prefill batches of at most `prefill
 so results match batch size 1 within bf16 rounding. Host copies and file writes run on worker
 threads while the device computes the next batch. Cost: one verifier forward per token; storage
 8*H bytes per token (SmolLM2-135M: 4.6 KB/token; Llama-3.1-8B: 32 KB/token).
+
+Backend `vllm` asks a vLLM server for each sample's states instead (`eagle3/served_extraction.py`)
+and writes, checks and publishes them the same way.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from safetensors import safe_open
 from safetensors.torch import save
 from tqdm import tqdm
 
-from eagle3 import verifier as verifier_module
-from eagle3.config import ConfigError, ExtractConfig
+from eagle3 import served_extraction, verifier as verifier_module
+from eagle3.config import ConfigError, EndpointConfig, ExtractConfig
+from eagle3.endpoint import RequestRejected
 from eagle3.isolation import NO_GPU, GpuClaim, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import (
@@ -56,7 +60,7 @@ __all__ = [
 ]
 
 
-CODE_DEPENDENCIES = (verifier_module,)  # loads the verifier whose states are extracted
+CODE_DEPENDENCIES = (verifier_module, served_extraction)  # loads the verifier, or asks a server, for the states
 
 # Test hook: raise the real torch.OutOfMemoryError for any prefill (or training, or regeneration)
 # batch above this many tokens, so the back-off paths run deterministically without a GPU.
@@ -267,8 +271,36 @@ def _extract_shard(decoder, capture, writer, shard_dir, indices, input_ids, budg
     writer.drain()
 
 
-def _shard_key(verifier: VerifierManifest, aux: list[int], version: str, samples: list[list[int]]) -> str:
-    h = hashlib.sha256(json.dumps([verifier.digest, aux, version]).encode())
+def _extract_served_shard(served, writer, shard_dir, indices, input_ids, record_ids, progress) -> None:
+    """The shard's samples from the server, `endpoint.concurrency` requests at a time, written in order."""
+
+    def states(i: int) -> torch.Tensor:
+        try:
+            return served.states(input_ids[i], f"record {record_ids[i]!r}")
+        except RequestRejected as exc:
+            raise ConfigError(
+                f"record {record_ids[i]!r} (sample {i}, {len(input_ids[i])} tokens): the server refused it: {exc}. "
+                "Serve with a --max-model-len above dataset.max_seq_len, or lower dataset.max_seq_len."
+            ) from exc
+
+    with ThreadPoolExecutor(served.cfg.concurrency, thread_name_prefix="hs-request") as pool:
+        for i, sample in zip(indices, pool.map(states, indices)):
+            writer.submit(sample.unsqueeze(0), [(_hs_path(shard_dir, i - indices[0]), torch.tensor(input_ids[i]))])
+            progress.update(len(input_ids[i]))
+    writer.drain()
+
+
+def _extracted_by(cfg: ExtractConfig) -> list[str]:
+    """What computes a shard's states, for its key: this module's code and, from a server, the served
+    model and the client's code (a server's kernels and dtype round differently from the step's)."""
+    by = [code_version(sys.modules[__name__])]
+    if cfg.backend == "vllm":
+        by += ["vllm", cfg.endpoint.model, code_version(served_extraction)]
+    return by
+
+
+def _shard_key(verifier: VerifierManifest, aux: list[int], extracted_by: list[str], samples: list[list[int]]) -> str:
+    h = hashlib.sha256(json.dumps([verifier.digest, aux, *extracted_by]).encode())
     for token_ids in samples:
         h.update(json.dumps(token_ids).encode())
     return h.hexdigest()
@@ -297,6 +329,7 @@ def _extract_attempt(
     shard_root: Path,
     todo: list[tuple[int, str, list[int]]],
     budget: int,
+    served: EndpointConfig | None,
     on_progress,
 ) -> dict:
     """Extract the `todo` shards (index, key, record indices) in order with one model load,
@@ -305,13 +338,16 @@ def _extract_attempt(
 
     Returns {"busy": indices skipped, "oom": None or {"shard", "error"}}: at the first out-of-memory
     error the attempt stops and the caller retries the shards left with a smaller budget, in a
-    fresh process on a GPU.
+    fresh process on a GPU. `served`: ask that server for the states instead (it never runs out of
+    memory here: a request the server refuses stops the attempt).
     `on_progress(shard index, extracted)` after each shard; `extracted` is False for a shard
     another run finished since the caller listed it.
     """
     device = torch.device(device)
-    input_ids: list[list[int]] = load_dataset_table(dataset).column("input_ids").to_pylist()
-    decoder = capture = None
+    table = load_dataset_table(dataset)
+    input_ids: list[list[int]] = table.column("input_ids").to_pylist()
+    record_ids: list[str] = table.column("record_id").to_pylist()
+    decoder = capture = source = None
     writer = _OverlappedWriter(device)
     busy, oom = [], None
     try:
@@ -331,11 +367,16 @@ def _extract_attempt(
                     if partial.exists():
                         shutil.rmtree(partial)  # left by a killed run: the shard is the unit of resume
                     partial.mkdir()
-                    if decoder is None:
+                    if served is not None and source is None:
+                        source = served_extraction.ServedStates(served, len(aux) + 1, verifier.hidden_size)
+                    elif served is None and decoder is None:
                         decoder = load_text_model(verifier.path, compute_dtype(device), device).get_decoder()
                         capture = HiddenStateCapture(decoder, aux)
                     try:
-                        _extract_shard(decoder, capture, writer, partial, shard, input_ids, budget, device, progress)
+                        if source is not None:
+                            _extract_served_shard(source, writer, partial, shard, input_ids, record_ids, progress)
+                        else:
+                            _extract_shard(decoder, capture, writer, partial, shard, input_ids, budget, device, progress)
                     except BaseException as exc:
                         writer.discard()  # its queued writes land before the lock lets another run at the shard
                         if not isinstance(exc, torch.OutOfMemoryError):
@@ -352,7 +393,7 @@ def _extract_attempt(
         if capture is not None:
             capture.states.clear()
             capture.close()
-        del decoder, capture, writer
+        del decoder, capture, writer, source
         free_device_memory(device)
     return {"busy": busy, "oom": oom}
 
@@ -370,22 +411,30 @@ def extract_hidden_states(
 
     `claim`: the CUDA devices to extract on, claimed only if a shard is left to extract; each
     attempt then runs in a child process seeing only them (none claimed: in this process on
-    `cfg.device`). Shards, not the step, are locked: a run skips the shards another run is
-    extracting, then releases its claim and waits for them, claiming again for any whose run died.
+    `cfg.device`); backend `vllm` claims nothing (the server has its GPUs) and runs here. Shards,
+    not the step, are locked: a run skips the shards another run is extracting, then releases its
+    claim and waits for them, claiming again for any whose run died.
     `on_progress(tokens_done, tokens_total)` is called after each finished shard.
 
     Raises:
-        ConfigError: aux layer ids out of range for the verifier.
+        ConfigError: aux layer ids out of range for the verifier; (backend `vllm`) a record the
+            server refused (longer than its context), named with the server's reason.
         ArtifactError: a written file fails verification.
         RuntimeError: out of memory even at `cfg.min_prefill_batch_tokens`.
+        EndpointError: (backend `vllm`) the server is unreachable, not set up to extract, or
+            wrote states of other layers or where this host cannot read them.
+    Whatever stops the step, finished shards are kept for the re-run.
     """
     clock = Stopwatch()
+    served = cfg.endpoint if cfg.backend == "vllm" else None
+    if served is not None:
+        claim = NO_GPU
     aux = resolve_aux_layer_ids(cfg.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
     input_ids: list[list[int]] = load_dataset_table(dataset).column("input_ids").to_pylist()
     size = cfg.records_per_shard
     shards = [list(range(s, min(s + size, len(input_ids)))) for s in range(0, len(input_ids), size)]
-    version = code_version(sys.modules[__name__])
-    keys = [_shard_key(verifier, aux, version, [input_ids[i] for i in shard]) for shard in shards]
+    extracted_by = _extracted_by(cfg)
+    keys = [_shard_key(verifier, aux, extracted_by, [input_ids[i] for i in shard]) for shard in shards]
     shard_root = store.root / "shards"
     shard_root.mkdir(exist_ok=True)
 
@@ -426,11 +475,11 @@ def extract_hidden_states(
     while todo := unfinished(todo):
         if any(free(k) for k in todo):  # else other runs are extracting every shard left: no claim
             with clock.excluding_wait(claim()) as gpus:
-                device = "cuda" if gpus else str(resolve_device(cfg.device))
+                device = "cuda" if gpus else "cpu" if served else str(resolve_device(cfg.device))
                 busy: list[int] = []
                 while (todo := unfinished(todo)) and not set(todo) <= set(busy):
                     attempt = {"dataset": dataset, "verifier": verifier, "aux": aux, "device": device, "shard_root": shard_root,
-                               "todo": [(k, keys[k], shards[k]) for k in todo], "budget": budget}
+                               "todo": [(k, keys[k], shards[k]) for k in todo], "budget": budget, "served": served}
                     outcome = run_attempt(_extract_attempt, attempt, gpus, shard_done)
                     busy = outcome["busy"]
                     if (oom := outcome["oom"]) is not None:

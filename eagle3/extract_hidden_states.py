@@ -1,12 +1,13 @@
 """Extract hidden states: run the verifier over every prepared sample and keep what the draft reads.
 
 Samples are grouped `records_per_shard` to a shard, in dataset order. A shard is content-addressed:
-its key hashes the verifier digest, the aux layer ids, this module's code version (and, from a
-server, the served model and the client's code) and the token ids of its samples, and it lives
-in the store's `shards/<key>/` where any run can reuse it. So appending records to a dataset extracts only the new (and the last, now longer) shards, and a
-killed run resumes at the first unfinished shard. Shard files `hs_{j}.safetensors` (j: position in
-the shard) hold speculators' format: `hidden_states` [seq, 4, H] bf16 (3 aux layers, then the
-final pre-norm state) and `token_ids` [seq] int64. A shard is written under `<key>.partial/` and
+its key hashes the verifier digest, the aux layer ids, the code version of this module and of
+the backend's own (and, from a server, the served model name) and the token ids of its samples,
+and it lives in the store's `shards/<key>/` where any run can reuse it. So appending records to
+a dataset extracts only the new (and the last, now longer) shards, and a killed run resumes at
+the first unfinished shard. Shard files `hs_{j}.safetensors` (j: position in the shard) hold
+speculators' format: `hidden_states` [seq, 4, H] bf16 (3 aux layers, then the final pre-norm
+state) and `token_ids` [seq] int64. A shard is written under `<key>.partial/` and
 renamed into place only once every file has been checked (values finite before writing; fields,
 shape and token ids as written). The artifact itself is `shards.json`: each shard's key, first
 record and file digests.
@@ -38,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 from tqdm import tqdm
 
-from eagle3 import served_extraction, verifier as verifier_module
+from eagle3 import endpoint, served_extraction, verifier as verifier_module
 from eagle3.config import ConfigError, EndpointConfig, ExtractConfig
 from eagle3.endpoint import RequestRejected
 from eagle3.isolation import NO_GPU, GpuClaim, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
@@ -60,7 +61,7 @@ __all__ = [
 ]
 
 
-CODE_DEPENDENCIES = (verifier_module, served_extraction)  # loads the verifier, or asks a server, for the states
+CODE_DEPENDENCIES = (verifier_module, served_extraction, endpoint)  # loads the verifier, or asks a server, for the states
 
 # Test hook: raise the real torch.OutOfMemoryError for any prefill (or training, or regeneration)
 # batch above this many tokens, so the back-off paths run deterministically without a GPU.
@@ -271,32 +272,58 @@ def _extract_shard(decoder, capture, writer, shard_dir, indices, input_ids, budg
     writer.drain()
 
 
+def _too_long_for_the_server(record_id: str, index: int, num_tokens: int, reason: str) -> ConfigError:
+    return ConfigError(
+        f"record {record_id!r} (sample {index}, {num_tokens} tokens): {reason}. Serve with a --max-model-len "
+        "above dataset.max_seq_len, or lower dataset.max_seq_len."
+    )
+
+
+def _served_source(served: EndpointConfig, aux: list[int], hidden_size: int, todo, input_ids, record_ids):
+    """A client of the server, once every sample left is known to fit its context: a sample too long
+    is named before any request, not hours into the step."""
+    source = served_extraction.ServedStates(served, len(aux) + 1, hidden_size)
+    for i in (i for _, _, shard in todo for i in shard):
+        if not source.fits(len(input_ids[i])):
+            reason = f"the server takes {source.max_model_len} tokens a request, the sample and one answered token"
+            raise _too_long_for_the_server(record_ids[i], i, len(input_ids[i]), reason)
+    return source
+
+
 def _extract_served_shard(served, writer, shard_dir, indices, input_ids, record_ids, progress) -> None:
-    """The shard's samples from the server, `endpoint.concurrency` requests at a time, written in order."""
+    """The shard's samples from the server, `endpoint.concurrency` requests in flight, written in
+    order; at most twice that many answers wait in memory to be written."""
 
     def states(i: int) -> torch.Tensor:
         try:
             return served.states(input_ids[i], f"record {record_ids[i]!r}")
         except RequestRejected as exc:
-            raise ConfigError(
-                f"record {record_ids[i]!r} (sample {i}, {len(input_ids[i])} tokens): the server refused it: {exc}. "
-                "Serve with a --max-model-len above dataset.max_seq_len, or lower dataset.max_seq_len."
-            ) from exc
+            raise _too_long_for_the_server(record_ids[i], i, len(input_ids[i]), f"the server refused it: {exc}") from exc
 
+    def write(i: int, answer: Future) -> None:
+        writer.submit(answer.result().unsqueeze(0), [(_hs_path(shard_dir, i - indices[0]), torch.tensor(input_ids[i]))])
+        progress.update(len(input_ids[i]))
+
+    window = 2 * served.cfg.concurrency
     with ThreadPoolExecutor(served.cfg.concurrency, thread_name_prefix="hs-request") as pool:
-        for i, sample in zip(indices, pool.map(states, indices)):
-            writer.submit(sample.unsqueeze(0), [(_hs_path(shard_dir, i - indices[0]), torch.tensor(input_ids[i]))])
-            progress.update(len(input_ids[i]))
+        asked: deque[tuple[int, Future]] = deque()
+        for i in indices:
+            asked.append((i, pool.submit(states, i)))
+            if len(asked) >= window:
+                write(*asked.popleft())
+        while asked:
+            write(*asked.popleft())
     writer.drain()
 
 
 def _extracted_by(cfg: ExtractConfig) -> list[str]:
-    """What computes a shard's states, for its key: this module's code and, from a server, the served
-    model and the client's code (a server's kernels and dtype round differently from the step's)."""
-    by = [code_version(sys.modules[__name__])]
+    """What computes a shard's states, for its key: this module and the code of the backend that
+    computed them, so editing one backend's code leaves the other's shards cached. A server's
+    kernels and dtype round differently from the step's: its served model name stands for it."""
+    this = sys.modules[__name__]
     if cfg.backend == "vllm":
-        by += ["vllm", cfg.endpoint.model, code_version(served_extraction)]
-    return by
+        return [code_version(this, dependencies=(served_extraction, endpoint)), "vllm", cfg.endpoint.model]
+    return [code_version(this, dependencies=(verifier_module,))]
 
 
 def _shard_key(verifier: VerifierManifest, aux: list[int], extracted_by: list[str], samples: list[list[int]]) -> str:
@@ -338,8 +365,8 @@ def _extract_attempt(
 
     Returns {"busy": indices skipped, "oom": None or {"shard", "error"}}: at the first out-of-memory
     error the attempt stops and the caller retries the shards left with a smaller budget, in a
-    fresh process on a GPU. `served`: ask that server for the states instead (it never runs out of
-    memory here: a request the server refuses stops the attempt).
+    fresh process on a GPU. `served`: ask that server for the states instead (nothing runs out of
+    memory here).
     `on_progress(shard index, extracted)` after each shard; `extracted` is False for a shard
     another run finished since the caller listed it.
     """
@@ -347,7 +374,8 @@ def _extract_attempt(
     table = load_dataset_table(dataset)
     input_ids: list[list[int]] = table.column("input_ids").to_pylist()
     record_ids: list[str] = table.column("record_id").to_pylist()
-    decoder = capture = source = None
+    decoder = capture = None
+    source = _served_source(served, aux, verifier.hidden_size, todo, input_ids, record_ids) if served is not None else None
     writer = _OverlappedWriter(device)
     busy, oom = [], None
     try:
@@ -367,9 +395,7 @@ def _extract_attempt(
                     if partial.exists():
                         shutil.rmtree(partial)  # left by a killed run: the shard is the unit of resume
                     partial.mkdir()
-                    if served is not None and source is None:
-                        source = served_extraction.ServedStates(served, len(aux) + 1, verifier.hidden_size)
-                    elif served is None and decoder is None:
+                    if source is None and decoder is None:
                         decoder = load_text_model(verifier.path, compute_dtype(device), device).get_decoder()
                         capture = HiddenStateCapture(decoder, aux)
                     try:
@@ -417,8 +443,8 @@ def extract_hidden_states(
     `on_progress(tokens_done, tokens_total)` is called after each finished shard.
 
     Raises:
-        ConfigError: aux layer ids out of range for the verifier; (backend `vllm`) a record the
-            server refused (longer than its context), named with the server's reason.
+        ConfigError: aux layer ids out of range for the verifier; (backend `vllm`) a record longer
+            than the server's context, named before any request (or when the server refuses it).
         ArtifactError: a written file fails verification.
         RuntimeError: out of memory even at `cfg.min_prefill_batch_tokens`.
         EndpointError: (backend `vllm`) the server is unreachable, not set up to extract, or

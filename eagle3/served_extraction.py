@@ -1,34 +1,38 @@
 """Hidden states from a vLLM server (`extract.backend=vllm`): how a verifier too large to load in
-the step (a 70B dense model, a 1T-parameter MoE over tensor and expert parallelism) is extracted.
+the step (a 70B model over tensor parallelism, an MoE over expert parallelism) is extracted.
 
 The server runs vLLM's `extract_hidden_states` speculative method with a hidden-states KV
 connector (`server_args`, printed by `eagle3 extraction-server`): for each request it writes the
 prompt's states at the given layers to a safetensors file, `hidden_states [seq, layers, H]` and
 `token_ids`, and answers with the file's path. This module asks for one sample per request with
 speculators' own response parsing and file lock, reads the file and removes it. The server must
-write where this host reads (one host, or a shared filesystem). vLLM's stock connector copies
-through CUDA streams; on a CPU-only server `eagle3.vllm_cpu_connector` stands in for it.
+write where this host reads (one host, or a shared filesystem). The layers are fixed when the
+server starts; a file's layer count and width are checked, not which layers they are. vLLM's
+stock connector copies through CUDA streams; on a CPU-only server `eagle3.vllm_cpu_connector`
+stands in for it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from contextlib import suppress
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from speculators.data_generation.offline import check_hidden_states
 from speculators.data_generation.vllm_client import InvalidResponseError, extract_output, wait_for_lock
 
 from eagle3.config import EndpointConfig
-from eagle3.endpoint import EndpointError, open_client, prefill
+from eagle3.endpoint import EndpointError, open_client, prefill, served_context
 
-__all__ = ["CPU_CONNECTOR", "ServedStates", "server_args"]
+__all__ = ["ServedStates", "read_states", "server_args"]
 
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 CPU_CONNECTOR = "CpuHiddenStatesConnector"  # in eagle3/vllm_cpu_connector.py
-_LOCK_TIMEOUT_S = 600.0  # the server holds a file's lock while it writes the file
+LOCK_TIMEOUT_S = 600.0  # the server holds a file's lock while it writes the file
 
 
 def server_args(layer_ids: list[int], storage_dir: Path, cpu: bool = False) -> list[str]:
@@ -51,50 +55,77 @@ def server_args(layer_ids: list[int], storage_dir: Path, cpu: bool = False) -> l
     return ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(connector)]
 
 
+def read_states(path: str, token_ids: list[int], shape: tuple[int, int], source: str, lock_timeout_s: float = LOCK_TIMEOUT_S) -> torch.Tensor:
+    """The states `[seq, *shape]` in the file a server wrote for `token_ids`, once its writer lets
+    go of the file's lock; the file is removed whatever happens. `source` names the sample and
+    server in errors.
+
+    Raises:
+        EndpointError: the file cannot be read here (not shared, no permission, never written),
+            or holds other tokens, non-finite values or another (layers, H) than `shape`.
+    """
+    try:
+        if os.path.exists(path + ".lock"):
+            wait_for_lock(path + ".lock", timeout=lock_timeout_s)
+        data = load_file(path)
+    except (OSError, TimeoutError, SafetensorError) as exc:
+        raise EndpointError(
+            f"{path} ({source}): {type(exc).__name__}: {exc}. The server's connector writes there "
+            "(shared_storage_path): it must be a directory this host can read and write, and the "
+            "server's log says whether it failed to write the file."
+        ) from exc
+    finally:
+        _remove(path)
+    try:
+        check_hidden_states(data, token_ids)
+    except ValueError as exc:
+        raise EndpointError(f"{path} ({source}): {exc}") from exc
+    states = data["hidden_states"]
+    if tuple(states.shape[1:]) != shape:
+        raise EndpointError(
+            f"{path} ({source}): field 'hidden_states' holds {tuple(states.shape[1:])} (layers, H) per token, "
+            f"expected {shape}: start the server with the flags of `eagle3 extraction-server`, for this "
+            "verifier and extract.aux_layer_ids."
+        )
+    return states
+
+
+def _remove(path: str) -> None:
+    for leftover in (path, path + ".lock"):
+        with suppress(OSError):
+            os.remove(leftover)
+
+
 class ServedStates:
     """A client of an extracting server, checked to serve `cfg.model`; `states` per sample."""
 
     def __init__(self, cfg: EndpointConfig, num_slots: int, hidden_size: int):
         self.cfg = cfg
         self.client = open_client(cfg)
+        self.max_model_len = served_context(self.client, cfg)
         self.shape = (num_slots, hidden_size)
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether the server takes a sample this long (and the one token it answers)."""
+        return self.max_model_len is None or num_tokens < self.max_model_len
 
     def states(self, token_ids: list[int], sample: str) -> torch.Tensor:
         """The sample's states `[seq, num_slots, H]`, in the server's dtype.
 
         Raises:
-            RequestRejected: the server refused the sample (longer than its `--max-model-len`).
-            EndpointError: the server is unreachable, not set up to extract, or wrote a file this
-                host cannot read or with the wrong layers.
+            RequestRejected: the server refused the sample (longer than its context).
+            EndpointError: the server is unreachable or not set up to extract, or its file cannot
+                be read here or holds something else (`read_states`).
         """
         response = prefill(self.client, self.cfg, token_ids)
         try:
             path, _ = extract_output(response, token_ids)
         except InvalidResponseError as exc:
+            if written := (getattr(response, "kv_transfer_params", None) or {}).get("hidden_states_path"):
+                with suppress(EndpointError):  # states of other tokens: waited for, then removed
+                    read_states(written, [], self.shape, sample)
             raise EndpointError(
                 f"{self.cfg.base_url}: {sample}: {exc}. Is the server started with the flags of "
                 "`eagle3 extraction-server` (method extract_hidden_states and a hidden-states connector)?"
             ) from exc
-        try:
-            if os.path.exists(path + ".lock"):
-                wait_for_lock(path + ".lock", timeout=_LOCK_TIMEOUT_S)
-            data = load_file(path)
-            os.remove(path)
-        except FileNotFoundError as exc:
-            raise EndpointError(
-                f"{self.cfg.base_url}: {sample}: the server wrote its states to {path}, which this host cannot "
-                "read: its connector's shared_storage_path must be a directory both see."
-            ) from exc
-        try:
-            check_hidden_states(data, token_ids)
-        except ValueError as exc:
-            raise EndpointError(f"{path} ({sample}, from {self.cfg.base_url}): {exc}") from exc
-        states = data["hidden_states"]
-        if tuple(states.shape[1:]) != self.shape:
-            raise EndpointError(
-                f"{path} ({sample}, from {self.cfg.base_url}): field 'hidden_states' holds {tuple(states.shape[1:])} "
-                f"(layers, H) per token, expected {self.shape}: start the server with the flags of "
-                "`eagle3 extraction-server`, for this verifier and extract.aux_layer_ids."
-            )
-        return states
-
+        return read_states(path, token_ids, self.shape, f"{sample}, from {self.cfg.base_url}")

@@ -356,13 +356,13 @@ def step_provenance(module, store: "ArtifactStore", **inputs: Any) -> Provenance
     return Provenance(parents=parents, config=config, code_version=code_version(module))
 
 
-def code_version(module) -> str:
-    """Digest of a step's source (with the modules it names in `CODE_DEPENDENCIES`) and the
-    libraries that compute it: a code change re-runs the step."""
+def code_version(module, dependencies: tuple | None = None) -> str:
+    """Digest of a step's source (with the modules it names in `CODE_DEPENDENCIES`, or
+    `dependencies`) and the libraries that compute it: a code change re-runs the step."""
     from importlib.metadata import version
 
     h = hashlib.sha256(Path(module.__file__).read_bytes())
-    for dependency in getattr(module, "CODE_DEPENDENCIES", ()):
+    for dependency in getattr(module, "CODE_DEPENDENCIES", ()) if dependencies is None else dependencies:
         h.update(Path(dependency.__file__).read_bytes())
     for package in ("torch", "transformers", "speculators"):
         h.update(f"{package}=={version(package)}".encode())

@@ -10,6 +10,7 @@ must be on the server's PYTHONPATH. Imports vLLM: it runs in vLLM's environment 
 
 from __future__ import annotations
 
+import fcntl
 import os
 from functools import partial
 
@@ -35,7 +36,7 @@ class _Copied:
 
 class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
     def _submit_async_write(self, pending: PendingSave) -> None:
-        if self._kv_cache is None or self._kv_cache.is_cuda:
+        if self._kv_cache is None or self._kv_cache.device.type != "cpu":
             super()._submit_async_write(pending)
             return
         if not self._is_tp_rank_zero:
@@ -43,12 +44,15 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
         blocks = torch.tensor(pending.block_ids, dtype=torch.long)
         slots = (torch.arange(self._block_size).reshape(1, -1) + blocks.reshape(-1, 1) * self._block_size).flatten()
         tensors = {
-            # a copy: the cache blocks are freed and reused once this request is reported finished
-            "hidden_states": extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0]).clone(),
+            # indexing by slot copies: the cache blocks are reused once the request is reported finished
+            "hidden_states": extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0]),
             "token_ids": pending.token_ids.clone(),
         }
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)  # taken when the request arrived
+        if lock_fd is None and self.use_lock:  # as the stock connector does, should it not have been
+            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
         copied = _Copied()
         future = self._executor.submit(self._write_tensors, tensors, copied, pending.filename, lock_fd)
         self._req_copy_events[pending.req_id] = copied

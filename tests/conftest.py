@@ -26,8 +26,8 @@ SAMPLE = Path(__file__).resolve().parents[1] / "eagle3" / "data" / "sample_conve
 
 
 def pytest_collection_modifyitems(items):
-    """Tests of the `vllm` marker run last: the session's one vLLM server (1.7 GB, its own engine
-    processes) then starts once the rest is done and shares the CPUs with nothing heavier."""
+    """Tests of the `vllm` marker run last: the session's vLLM servers (1.7 GB each, their own
+    engine processes) then start once the rest is done and share the CPUs with nothing heavier."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
 
 
@@ -176,11 +176,11 @@ def free_port() -> int:
 
 
 def _serve_draft(tmp_path_factory, num_layers: int):
-    from vllm_server import SERVED_NAME, ServedDraft, draft_args, train_draft_for_serving, vllm_server
+    from vllm_server import SERVED_NAME, ServedDraft, train_draft_for_serving, vllm_server
 
     root = tmp_path_factory.mktemp(f"served-{num_layers}-layer")
     store, verifier, hidden_states, checkpoint = train_draft_for_serving(root, num_layers)
-    with vllm_server(verifier.path, draft_args(checkpoint.path), root / "vllm.log") as base_url:
+    with vllm_server(verifier.path, checkpoint.path, root / "vllm.log") as base_url:
         yield ServedDraft(base_url, SERVED_NAME, store, verifier, hidden_states, checkpoint)
 
 

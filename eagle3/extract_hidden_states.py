@@ -41,7 +41,6 @@ from tqdm import tqdm
 
 from eagle3 import endpoint, served_extraction, verifier as verifier_module
 from eagle3.config import ConfigError, EndpointConfig, ExtractConfig
-from eagle3.endpoint import RequestRejected
 from eagle3.isolation import NO_GPU, GpuClaim, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import (
@@ -272,54 +271,20 @@ def _extract_shard(decoder, capture, writer, shard_dir, indices, input_ids, budg
     writer.drain()
 
 
-def _too_long_for_the_server(record_id: str, index: int, num_tokens: int, reason: str) -> ConfigError:
-    return ConfigError(
-        f"record {record_id!r} (sample {index}, {num_tokens} tokens): {reason}. Serve with a --max-model-len "
-        "above dataset.max_seq_len, or lower dataset.max_seq_len."
-    )
-
-
-def _served_source(served: EndpointConfig, aux: list[int], hidden_size: int, todo, input_ids, record_ids):
-    """A client of the server, once every sample left is known to fit its context: a sample too long
-    is named before any request, not hours into the step."""
-    source = served_extraction.ServedStates(served, len(aux) + 1, hidden_size)
-    for i in (i for _, _, shard in todo for i in shard):
-        if not source.fits(len(input_ids[i])):
-            reason = f"the server takes {source.max_model_len} tokens a request, the sample and one answered token"
-            raise _too_long_for_the_server(record_ids[i], i, len(input_ids[i]), reason)
-    return source
-
-
-def _extract_served_shard(served, writer, shard_dir, indices, input_ids, record_ids, progress) -> None:
-    """The shard's samples from the server, `endpoint.concurrency` requests in flight, written in
-    order; at most twice that many answers wait in memory to be written."""
-
-    def states(i: int) -> torch.Tensor:
-        try:
-            return served.states(input_ids[i], f"record {record_ids[i]!r}")
-        except RequestRejected as exc:
-            raise _too_long_for_the_server(record_ids[i], i, len(input_ids[i]), f"the server refused it: {exc}") from exc
-
-    def write(i: int, answer: Future) -> None:
-        writer.submit(answer.result().unsqueeze(0), [(_hs_path(shard_dir, i - indices[0]), torch.tensor(input_ids[i]))])
+def _extract_served_shard(source, writer, shard_dir, indices, input_ids, record_ids, progress) -> None:
+    def write(i: int, states: torch.Tensor) -> None:
+        writer.submit(states.unsqueeze(0), [(_hs_path(shard_dir, i - indices[0]), torch.tensor(input_ids[i]))])
         progress.update(len(input_ids[i]))
 
-    window = 2 * served.cfg.concurrency
-    with ThreadPoolExecutor(served.cfg.concurrency, thread_name_prefix="hs-request") as pool:
-        asked: deque[tuple[int, Future]] = deque()
-        for i in indices:
-            asked.append((i, pool.submit(states, i)))
-            if len(asked) >= window:
-                write(*asked.popleft())
-        while asked:
-            write(*asked.popleft())
+    source.extract([(i, record_ids[i], input_ids[i]) for i in indices], write)
     writer.drain()
 
 
 def _extracted_by(cfg: ExtractConfig) -> list[str]:
-    """What computes a shard's states, for its key: this module and the code of the backend that
-    computed them, so editing one backend's code leaves the other's shards cached. A server's
-    kernels and dtype round differently from the step's: its served model name stands for it."""
+    """What computes a shard's states, for its key: this module and the module of the backend that
+    computed them, so editing one backend's module leaves the other's shards cached (this module
+    counts for both). A server's kernels and dtype round differently from the step's: its served
+    model name stands for it."""
     this = sys.modules[__name__]
     if cfg.backend == "vllm":
         return [code_version(this, dependencies=(served_extraction, endpoint)), "vllm", cfg.endpoint.model]
@@ -374,8 +339,10 @@ def _extract_attempt(
     table = load_dataset_table(dataset)
     input_ids: list[list[int]] = table.column("input_ids").to_pylist()
     record_ids: list[str] = table.column("record_id").to_pylist()
-    decoder = capture = None
-    source = _served_source(served, aux, verifier.hidden_size, todo, input_ids, record_ids) if served is not None else None
+    decoder = capture = source = None
+    if served is not None:
+        source = served_extraction.ServedStates(served, len(aux) + 1, verifier.hidden_size)
+        source.check_fit([(i, record_ids[i], input_ids[i]) for _, _, shard in todo for i in shard])
     writer = _OverlappedWriter(device)
     busy, oom = [], None
     try:

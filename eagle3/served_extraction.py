@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 
@@ -25,10 +28,12 @@ from safetensors.torch import load_file
 from speculators.data_generation.offline import check_hidden_states
 from speculators.data_generation.vllm_client import InvalidResponseError, extract_output, wait_for_lock
 
-from eagle3.config import EndpointConfig
-from eagle3.endpoint import EndpointError, open_client, prefill, served_context
+from eagle3.config import ConfigError, EndpointConfig
+from eagle3.endpoint import EndpointError, RequestRejected, open_client, prefill, served_context
 
 __all__ = ["ServedStates", "read_states", "server_args"]
+
+Sample = tuple[int, str, list[int]]  # index in the dataset, record id, token ids
 
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 CPU_CONNECTOR = "CpuHiddenStatesConnector"  # in eagle3/vllm_cpu_connector.py
@@ -67,13 +72,18 @@ def read_states(path: str, token_ids: list[int], shape: tuple[int, int], source:
     try:
         if os.path.exists(path + ".lock"):
             wait_for_lock(path + ".lock", timeout=lock_timeout_s)
-        data = load_file(path)
-    except (OSError, TimeoutError, SafetensorError) as exc:
+    except TimeoutError as exc:  # its writer may still write it: left alone, not left behind half-removed
         raise EndpointError(
-            f"{path} ({source}): {type(exc).__name__}: {exc}. The server's connector writes there "
-            "(shared_storage_path): it must be a directory this host can read and write, and the "
-            "server's log says whether it failed to write the file."
+            f"{path} ({source}): the server still held {path}.lock after {lock_timeout_s:g} s; delete the "
+            "file and its lock once the server is done with it."
         ) from exc
+    except OSError as exc:
+        _remove(path)
+        raise _unreadable(path, source, exc) from exc
+    try:
+        data = load_file(path)
+    except (OSError, SafetensorError) as exc:
+        raise _unreadable(path, source, exc) from exc
     finally:
         _remove(path)
     try:
@@ -90,10 +100,26 @@ def read_states(path: str, token_ids: list[int], shape: tuple[int, int], source:
     return states
 
 
+def _unreadable(path: str, source: str, exc: Exception) -> EndpointError:
+    return EndpointError(
+        f"{path} ({source}): {type(exc).__name__}: {exc}. The server's connector writes there "
+        "(shared_storage_path): it must be a directory this host sees and may write, with files "
+        "this user may read (run the server as the same user); the server's log says whether it "
+        "failed to write the file."
+    )
+
+
 def _remove(path: str) -> None:
     for leftover in (path, path + ".lock"):
         with suppress(OSError):
             os.remove(leftover)
+
+
+def _too_long(record_id: str, index: int, num_tokens: int, reason: str) -> ConfigError:
+    return ConfigError(
+        f"record {record_id!r} (sample {index}, {num_tokens} tokens): {reason}. Serve with a --max-model-len "
+        "above dataset.max_seq_len, or lower dataset.max_seq_len."
+    )
 
 
 class ServedStates:
@@ -105,9 +131,50 @@ class ServedStates:
         self.max_model_len = served_context(self.client, cfg)
         self.shape = (num_slots, hidden_size)
 
-    def fits(self, num_tokens: int) -> bool:
-        """Whether the server takes a sample this long (and the one token it answers)."""
-        return self.max_model_len is None or num_tokens < self.max_model_len
+    def check_fit(self, samples: list[Sample]) -> None:
+        """Name the first sample longer than the server takes (with the one token it answers) before
+        any request, not hours into the step.
+
+        Raises:
+            ConfigError: a sample is too long for the server's context.
+        """
+        for index, record_id, token_ids in samples:
+            if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
+                reason = f"the server takes {self.max_model_len} tokens a request, the sample and one answered token"
+                raise _too_long(record_id, index, len(token_ids), reason)
+
+    def extract(self, samples: list[Sample], write: Callable[[int, torch.Tensor], None]) -> None:
+        """`write(index, states)` for each sample in order, `endpoint.concurrency` requests in
+        flight; at most twice that many answers wait in memory. At the first failure the requests
+        not yet sent are dropped and the failure is raised.
+
+        Raises:
+            ConfigError: the server refused a sample (longer than its context), named.
+            EndpointError: as `states`.
+        """
+
+        def states(sample: Sample) -> torch.Tensor:
+            index, record_id, token_ids = sample
+            try:
+                return self.states(token_ids, f"record {record_id!r}")
+            except RequestRejected as exc:
+                raise _too_long(record_id, index, len(token_ids), f"the server refused it: {exc}") from exc
+
+        with ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="hs-request") as pool:
+            asked: deque[tuple[int, Future]] = deque()
+            try:
+                for sample in samples:
+                    asked.append((sample[0], pool.submit(states, sample)))
+                    if len(asked) >= 2 * self.cfg.concurrency:
+                        index, answer = asked.popleft()
+                        write(index, answer.result())
+                while asked:
+                    index, answer = asked.popleft()
+                    write(index, answer.result())
+            except BaseException:
+                for _, answer in asked:
+                    answer.cancel()
+                raise
 
     def states(self, token_ids: list[int], sample: str) -> torch.Tensor:
         """The sample's states `[seq, num_slots, H]`, in the server's dtype.

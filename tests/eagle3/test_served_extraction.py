@@ -91,6 +91,18 @@ def test_a_record_longer_than_the_served_context_is_named_before_any_request(ser
 
 
 @pytest.mark.vllm
+def test_a_sample_the_server_refuses_is_named_with_its_reason(served_setup):
+    _, verifier, _, base_url, _ = served_setup
+    source = ServedStates(EndpointConfig(base_url=base_url, model=SERVED_NAME), 4, verifier.hidden_size)
+    written = []
+
+    with pytest.raises(ConfigError, match=rf"record 'long' \(sample 7, {EXTRACTION_CONTEXT} tokens\): the server refused it: HTTP 400"):
+        source.extract([(6, "short", [5, 6, 7]), (7, "long", [5] * EXTRACTION_CONTEXT)], lambda i, states: written.append(i))
+
+    assert written == [6]
+
+
+@pytest.mark.vllm
 def test_a_server_that_does_not_extract_is_told_apart(served_draft):
     cfg = EndpointConfig(base_url=served_draft.base_url, model=served_draft.model)
 
@@ -127,17 +139,18 @@ def test_a_file_this_host_cannot_read_names_the_path_and_the_shared_directory(tm
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_file_whose_writer_keeps_its_lock_is_waited_for_then_given_up(tmp_path):
-    path = _states_file(tmp_path / "s.safetensors", [5, 6])
-    writer = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY, 0o644)
+def test_a_file_whose_writer_keeps_its_lock_is_waited_for_then_left_to_it(tmp_path):
+    path = tmp_path / "s.safetensors"
+    writer = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
     fcntl.flock(writer, fcntl.LOCK_EX)  # as the server's writer thread holds it until the file is written
     try:
-        with pytest.raises(EndpointError, match=r"s\.safetensors \(record 'r0'\): TimeoutError"):
-            read_states(path, [5, 6], (4, 8), "record 'r0'", lock_timeout_s=0.3)
+        with pytest.raises(EndpointError, match=r"s\.safetensors \(record 'r0'\): the server still held .*s\.safetensors\.lock after 0\.3 s"):
+            read_states(str(path), [5, 6], (4, 8), "record 'r0'", lock_timeout_s=0.3)
+        _states_file(path, [5, 6])  # written late, then let go
     finally:
         os.close(writer)
 
-    assert list(tmp_path.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors", "s.safetensors.lock"]  # named in the error, for deletion
 
 
 def test_an_unreachable_server_stops_the_step_before_any_shard(prepared_tiny, tmp_path):

@@ -139,13 +139,13 @@ def _extraction_server(args) -> int:
     import eagle3
     from eagle3.extract_hidden_states import resolve_aux_layer_ids
     from eagle3.served_extraction import server_args
-    from eagle3.store import ArtifactStore
+    from eagle3.store import SERVED_STATES, ArtifactStore
     from eagle3.verifier import resolve_verifier
 
     config = load_config(args.config, args.overrides)
     verifier = resolve_verifier(config.verifier, ArtifactStore(Path(config.store_dir).expanduser()))
     aux = resolve_aux_layer_ids(config.extract.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
-    storage = Path(args.storage or Path(config.store_dir) / "served-states").expanduser().resolve()
+    storage = Path(args.storage or Path(config.store_dir) / SERVED_STATES).expanduser().resolve()
     endpoint = config.extract.endpoint
     url = urlsplit(endpoint.base_url)
     # The CPU build is not the distribution "vllm", which the `vllm` command looks up: start the module.

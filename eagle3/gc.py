@@ -4,7 +4,9 @@ Each finished run records what it reached (`eagle3/runs.py`). The best promoted 
 each comparison key, its evaluation and its verifier are kept however old: they are what gets
 served and what `eagle3 promoted` lists. A flow holds a shared lock on `gc.lock` while it runs;
 gc takes it exclusively, so it never deletes under a running flow (it refuses instead of waiting).
-Unfinished work directories (`work/`) are kept: they are what a killed run resumes from.
+Unfinished work directories (`work/`) are kept: they are what a killed run resumes from. Files
+an extracting server left in `served-states/` (requests that timed out and were retried) go: with
+no flow running, no run is waiting for them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from contextlib import contextmanager
 
 from eagle3.promotion import promoted_checkpoints
 from eagle3.runs import replay_file, run_records
-from eagle3.store import PUBLISHED, ArtifactError, ArtifactStore
+from eagle3.store import PUBLISHED, SERVED_STATES, ArtifactError, ArtifactStore
 
 __all__ = ["collect_garbage", "store_in_use"]
 
@@ -62,10 +64,14 @@ def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False)
         shard_root = store.root / "shards"
         if shard_root.exists():
             doomed += [p for p in shard_root.iterdir() if p.name not in live_shards and not p.name.endswith(".partial")]
-        freed = sum(f.stat().st_size for p in doomed for f in p.rglob("*") if f.is_file())
+        served = store.root / SERVED_STATES
+        orphans = [f for f in served.iterdir() if f.is_file()] if served.exists() else []
+        freed = sum(f.stat().st_size for p in doomed for f in p.rglob("*") if f.is_file()) + sum(f.stat().st_size for f in orphans)
         if not dry_run:
             for path in doomed:
                 shutil.rmtree(path)
+            for orphan in orphans:
+                orphan.unlink(missing_ok=True)
             published = store.root / PUBLISHED
             for pointer in published.glob("[!.]*") if published.exists() else ():  # not a write in progress
                 if not store.artifact_dir(pointer.read_text()).exists():
@@ -73,4 +79,4 @@ def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False)
             for record in records[:-keep_runs]:
                 record.unlink()
                 replay_file(record).unlink(missing_ok=True)
-        return {"removed": len(doomed), "bytes": freed, "runs_kept": min(keep_runs, len(records))}
+        return {"removed": len(doomed) + len(orphans), "bytes": freed, "runs_kept": min(keep_runs, len(records))}

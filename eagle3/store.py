@@ -53,6 +53,7 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 PUBLISHED = "published"  # <kind>-<provenance key> -> digest of the artifact published for it
+SERVED_STATES = "served-states"  # where an extracting vLLM server writes states files by default (`eagle3 extraction-server`)
 TEMP_SUFFIX = ".tmp"  # atomic_write_bytes' temp files: one left behind was a write cut short
 _CHUNK = 1 << 20
 

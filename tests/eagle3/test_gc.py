@@ -27,6 +27,19 @@ def test_gc_removes_only_what_the_kept_runs_did_not_reach(tmp_path):
     assert sorted((store.root / "runs").iterdir()) == [kept, kept.with_suffix(".yaml")]  # a run's record and its replay file go together
 
 
+def test_gc_removes_states_files_an_extracting_server_left_behind(tmp_path):
+    store = ArtifactStore(tmp_path)
+    record_run(store, "run-1", [publish_text_artifact(store, "draft", "kept", {}).digest])
+    left = tmp_path / "served-states"
+    left.mkdir()
+    (left / "cmpl-1.safetensors").write_bytes(b"x" * 100)
+    (left / "cmpl-1.safetensors.lock").write_bytes(b"")
+
+    assert collect_garbage(store, keep_runs=1, dry_run=True) == {"removed": 2, "bytes": 100, "runs_kept": 1}
+    assert collect_garbage(store, keep_runs=1) == {"removed": 2, "bytes": 100, "runs_kept": 1}
+    assert list(left.iterdir()) == []
+
+
 def test_gc_dry_run_removes_nothing(tmp_path):
     store = ArtifactStore(tmp_path)
     old = publish_text_artifact(store, "draft", "old", {})

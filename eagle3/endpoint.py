@@ -16,7 +16,7 @@ import openai
 
 from eagle3.config import EndpointConfig
 
-__all__ = ["EndpointError", "RequestRejected", "ServedAnswer", "chat", "open_client", "prefill", "served_context"]
+__all__ = ["EndpointError", "RequestRejected", "ServedAnswer", "chat", "open_client", "request"]
 
 _REJECTED = (openai.BadRequestError, openai.UnprocessableEntityError)
 
@@ -68,7 +68,7 @@ def chat(client: openai.OpenAI, cfg: EndpointConfig, messages: list[dict[str, st
         RequestRejected: the server refused this request (its message says why).
         EndpointError: the server could not answer after the retries.
     """
-    response = _request(cfg, lambda: client.chat.completions.create(model=cfg.model, messages=messages, **sampling))
+    response = request(cfg, lambda: client.chat.completions.create(model=cfg.model, messages=messages, **sampling))
     choice = response.choices[0]
     message = choice.message
     reasoning = getattr(message, "reasoning", None) or getattr(message, "reasoning_content", None)
@@ -80,27 +80,7 @@ def chat(client: openai.OpenAI, cfg: EndpointConfig, messages: list[dict[str, st
     )
 
 
-def served_context(client: openai.OpenAI, cfg: EndpointConfig) -> int | None:
-    """The most tokens (prompt and answer) the server takes per request, where it says (vLLM does)."""
-    served = _request(cfg, lambda: client.models.list())
-    return next((getattr(m, "max_model_len", None) for m in served if m.id == cfg.model), None)
-
-
-def prefill(client: openai.OpenAI, cfg: EndpointConfig, token_ids: list[int]):
-    """A one-token completion of the prompt `token_ids`, answered with the prompt's ids: how a
-    server that extracts hidden states is asked for those of a sample.
-
-    Raises:
-        RequestRejected: the server refused this request (its message says why).
-        EndpointError: the server could not answer after the retries.
-    """
-    return _request(
-        cfg,
-        lambda: client.completions.create(model=cfg.model, prompt=token_ids, max_tokens=1, extra_body={"return_token_ids": True}),
-    )
-
-
-def _request(cfg: EndpointConfig, send):
+def request(cfg: EndpointConfig, send):
     """`send()`, with the server's refusal of this request told apart from its failing to answer."""
     try:
         return send()

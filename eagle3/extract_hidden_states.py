@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 from tqdm import tqdm
 
-from eagle3 import endpoint, served_extraction, verifier as verifier_module
+from eagle3 import served_extraction, verifier as verifier_module
 from eagle3.config import ConfigError, EndpointConfig, ExtractConfig
 from eagle3.isolation import NO_GPU, GpuClaim, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 
-CODE_DEPENDENCIES = (verifier_module, served_extraction, endpoint)  # loads the verifier, or asks a server, for the states
+CODE_DEPENDENCIES = (verifier_module, served_extraction)  # loads the verifier, or asks a server, for the states
 
 # Test hook: raise the real torch.OutOfMemoryError for any prefill (or training, or regeneration)
 # batch above this many tokens, so the back-off paths run deterministically without a GPU.
@@ -287,7 +287,7 @@ def _extracted_by(cfg: ExtractConfig) -> list[str]:
     model name stands for it."""
     this = sys.modules[__name__]
     if cfg.backend == "vllm":
-        return [code_version(this, dependencies=(served_extraction, endpoint)), "vllm", cfg.endpoint.model]
+        return [code_version(this, dependencies=(served_extraction,)), "vllm", cfg.endpoint.model]
     return [code_version(this, dependencies=(verifier_module,))]
 
 

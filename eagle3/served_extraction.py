@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 
+import openai
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
@@ -29,7 +30,7 @@ from speculators.data_generation.offline import check_hidden_states
 from speculators.data_generation.vllm_client import InvalidResponseError, extract_output, wait_for_lock
 
 from eagle3.config import ConfigError, EndpointConfig
-from eagle3.endpoint import EndpointError, RequestRejected, open_client, prefill, served_context
+from eagle3.endpoint import EndpointError, RequestRejected, open_client, request
 
 __all__ = ["ServedStates", "read_states", "server_args"]
 
@@ -113,6 +114,26 @@ def _remove(path: str) -> None:
     for leftover in (path, path + ".lock"):
         with suppress(OSError):
             os.remove(leftover)
+
+
+def prefill(client: openai.OpenAI, cfg: EndpointConfig, token_ids: list[int]):
+    """A one-token completion of the prompt `token_ids`, answered with the prompt's ids: how an
+    extracting server is asked for a sample's states.
+
+    Raises:
+        RequestRejected: the server refused this request (its message says why).
+        EndpointError: the server could not answer after the retries.
+    """
+    return request(
+        cfg,
+        lambda: client.completions.create(model=cfg.model, prompt=token_ids, max_tokens=1, extra_body={"return_token_ids": True}),
+    )
+
+
+def served_context(client: openai.OpenAI, cfg: EndpointConfig) -> int | None:
+    """The most tokens (prompt and answer) the server takes per request, where it says (vLLM does)."""
+    served = request(cfg, lambda: client.models.list())
+    return next((getattr(m, "max_model_len", None) for m in served if m.id == cfg.model), None)
 
 
 def _too_long(record_id: str, index: int, num_tokens: int, reason: str) -> ConfigError:

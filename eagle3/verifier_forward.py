@@ -23,6 +23,7 @@ from transformers import Cache, DynamicCache
 
 from eagle3.extract_hidden_states import HiddenStateCapture
 from eagle3.speculative import greedy_decode, speculative_decode
+from eagle3.verifier import text_config
 
 __all__ = ["DynamicForward", "StaticForward", "aux_states", "decodes_like_dynamic", "drop_last", "forward_for", "full_attention_only"]
 
@@ -236,7 +237,7 @@ def forward_for(model, capture: HiddenStateCapture | None, max_len: int, probe: 
     for a full-attention verifier that decodes `probe` (a prompt) as transformers' own cache does.
     Otherwise `DynamicForward` (on a CPU, fixed buffers would only add attention over empty
     positions). `max_len`: the longest sequence it will hold."""
-    if next(model.parameters()).device.type == "cuda" and full_attention_only(model.config):
+    if next(model.parameters()).device.type == "cuda" and full_attention_only(text_config(model.config)):
         forward = StaticForward(model, capture, max(max_len, len(probe) + PROBE_TOKENS))
         if decodes_like_dynamic(forward, probe):
             return forward

@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import tiny_llama, tiny_llava  # noqa: E402
+from tiny_models import tiny_kimi_k25, tiny_llama, tiny_llava, tiny_qwen3_vl_moe  # noqa: E402
 
 SAMPLE = Path(__file__).resolve().parents[1] / "eagle3" / "data" / "sample_conversations.jsonl"
 
@@ -40,6 +40,18 @@ def tiny_verifier(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_nested_verifier(tmp_path_factory) -> Path:
     return tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="session")
+def tiny_kimi_verifier(tmp_path_factory) -> Path:
+    """A nested MoE verifier shaped like Kimi-K2.5: DeepSeek-V3 decoder (MLA, experts) beside a vision tower."""
+    return tiny_kimi_k25(tmp_path_factory.mktemp("tiny-kimi-k25"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_vl_moe_verifier(tmp_path_factory) -> Path:
+    """A nested MoE verifier shaped like Qwen3-VL-MoE, whose text config has no `*ForCausalLM`."""
+    return tiny_qwen3_vl_moe(tmp_path_factory.mktemp("tiny-qwen3-vl-moe"))
 
 
 @pytest.fixture

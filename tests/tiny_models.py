@@ -89,3 +89,52 @@ def tiny_llava(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
     tokenizer.save_pretrained(out)
     CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(out)
     return out
+
+
+def tiny_kimi_k25(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
+    """A Kimi-K2.5-style verifier: a DeepSeek-V3 decoder (MLA attention, routed and shared experts
+    after one dense layer) nested beside a vision tower, saved with the original checkpoint's keys
+    (`language_model.model.layers.N.mlp.experts.M.gate_proj.weight`, one tensor per expert)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config
+    from transformers.models.kimi_k25 import Kimi_K25Config, Kimi_K25ForConditionalGeneration, Kimi_K25VisionConfig
+
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer()
+    n = len(tokenizer)
+    text = DeepseekV3Config(
+        vocab_size=n, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        max_position_embeddings=2048, tie_word_embeddings=False)
+    vision = Kimi_K25VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32, tie_word_embeddings=False,
+                            image_token_id=n - 1, video_token_id=n - 2, vision_start_token_id=n - 3, vision_end_token_id=n - 4)
+    Kimi_K25ForConditionalGeneration(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    weights = out / "model.safetensors"  # transformers 5.19 saves the decoder's layers as `blocks`
+    state = {k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in load_file(weights).items()}
+    assert "language_model.model.layers.1.mlp.experts.0.gate_proj.weight" in state, sorted(state)[:8]
+    save_file(state, weights, metadata={"format": "pt"})
+    return out
+
+
+def tiny_qwen3_vl_moe(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
+    """A Qwen3-VL-MoE-style verifier: a nested MoE decoder with multimodal rotary positions, whose
+    text config has no `*ForCausalLM` of its own in transformers."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer()
+    n = len(tokenizer)
+    text = dict(vocab_size=n, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+                num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden, deepstack_visual_indexes=[0])
+    config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, image_token_id=n - 1,
+                              video_token_id=n - 2, vision_start_token_id=n - 3, vision_end_token_id=n - 4)
+    Qwen3VLMoeForConditionalGeneration(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -244,7 +244,7 @@ def test_nested_verifier_loads_its_text_decoder(tiny_nested_verifier, tmp_path):
 
     assert verifier.nested and verifier.num_hidden_layers == 4
     assert "language_model" in key
-    torch.testing.assert_close(model.model.layers[1].mlp.up_proj.weight, expected)
+    torch.testing.assert_close(model.get_decoder().layers[1].mlp.up_proj.weight, expected)
     assert load_file(hidden_state_files(manifest)[3])["hidden_states"].shape[1:] == (4, 64)
 
 

@@ -15,12 +15,17 @@ import torch
 from conftest import CLAIM_WAIT_S, run_while_another_run_holds_the_step
 from eagle3 import train as train_module
 from eagle3 import trainer_compat
-from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, PromotionConfig, TrainConfig, VerifierConfig, VocabConfig
+from eagle3.baseline import measure_baselines
+from eagle3.config import (
+    DatasetConfig, EvalConfig, ExportConfig, ExtractConfig, PromotionConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig,
+)
+from eagle3.evaluate import evaluate
 from eagle3.export import export_checkpoint, validate_checkpoint
 from eagle3.extract_hidden_states import FAULT_OOM_ENV, extract_hidden_states
 from eagle3.prepare_dataset import prepare_dataset
 from eagle3.store import ArtifactError, ArtifactStore, Provenance, step_provenance
 from eagle3.promotion import promote
+from eagle3.regenerate import regenerate, regenerated_conversations
 from eagle3.train import DraftManifest, _speculators_data_dir, previous_draft, simulated_acceptance_length, train_draft
 from eagle3.train_worker import OOM_EXIT, TrainSpec
 from eagle3.verifier import load_tokenizer, resolve_verifier
@@ -303,18 +308,26 @@ def test_cpu_adaptation_is_undone_on_exit():
     assert (trainer_module._StepTimer, checkpointer_module.get_current_device) == saved
 
 
-def test_nested_verifier_trains_and_exports_with_its_text_vocab(tiny_nested_verifier, tmp_path):
-    from conftest import SAMPLE
+# Llava; Kimi-K2.5 (MLA attention, per-expert checkpoint tensors); Qwen3-VL-MoE (multimodal rotary positions, no text *ForCausalLM)
+@pytest.mark.parametrize("nested", ["tiny_nested_verifier", "tiny_kimi_verifier", "tiny_qwen_vl_moe_verifier"])
+def test_nested_verifier_regenerates_trains_exports_and_decodes_with_its_text_vocab(nested, request, tmp_path):
+    from conftest import SAMPLE, write_jsonl
 
     store = ArtifactStore(tmp_path)
-    verifier = resolve_verifier(VerifierConfig(path=str(tiny_nested_verifier)), store)
-    dataset = prepare_dataset(DatasetConfig(max_seq_len=128, max_records=16), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
+    verifier = resolve_verifier(VerifierConfig(path=str(request.getfixturevalue(nested))), store)
+    answers = regenerate(RegenerateConfig(enabled=True, max_records=16, max_new_tokens=12), SAMPLE, verifier, store, Provenance())
+    dataset = prepare_dataset(DatasetConfig(max_seq_len=128), regenerated_conversations(answers), load_tokenizer(verifier.path), store, Provenance())
     hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=[1, 2, 3]), dataset, verifier, store, Provenance())
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=256), dataset, verifier.vocab_size, store, Provenance())
-
     draft = train_draft(TrainConfig(epochs=1, total_seq_len=256), dataset, hidden, vocab, verifier, store, Provenance())
     manifest = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
+    cfg = EvalConfig(num_prompts=2, max_new_tokens=16, ks=[3])
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "What is 2 + 3?"}, {"prompt": "Count to five."}])
+    baselines = measure_baselines(cfg, verifier, prompts, store, Provenance())
+
+    evaluation = evaluate(cfg, manifest, hidden, verifier, prompts, store, Provenance(), baselines)
 
     config = json.loads((manifest.path / "config.json").read_text())
-    assert verifier.nested
+    assert verifier.nested and answers.num_records == 16 and not answers.failed and answers.num_generated_tokens > 16
     assert config["transformer_layer_config"]["vocab_size"] == verifier.vocab_size == 1024
+    assert evaluation.mismatches == 0 and evaluation.num_tokens == 32  # the draft's decodes are the verifier's greedy ones

@@ -3,11 +3,13 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from tiny_models import tiny_llama
 from eagle3.config import VerifierConfig
 from eagle3.store import ArtifactError, ArtifactStore
-from eagle3.verifier import resolve_verifier
+from eagle3.verifier import load_text_model, resolve_verifier
 
 
 def test_missing_tokenizer_names_the_directory(tiny_verifier, tmp_path):
@@ -36,3 +38,31 @@ def test_hf_directory_is_used_in_place_and_described(tiny_verifier, tmp_path):
 
     assert manifest.path == tiny_verifier
     assert (manifest.num_hidden_layers, manifest.hidden_size, manifest.vocab_size, manifest.nested) == (4, 64, 1024, False)
+
+
+def test_a_nested_moe_checkpoint_loads_its_per_expert_tensors_into_the_decoders_fused_experts(tiny_kimi_verifier, tmp_path):
+    """Kimi-K2.5's checkpoint keeps one tensor per expert under `language_model.model.*`, where
+    transformers' DeepSeek-V3 decoder holds them fused: [experts, gate rows + up rows, H]."""
+    manifest = resolve_verifier(VerifierConfig(path=str(tiny_kimi_verifier)), ArtifactStore(tmp_path / "s"))
+    checkpoint = load_file(tiny_kimi_verifier / "model.safetensors")
+
+    decoder = load_text_model(manifest.path, torch.float32, "cpu").get_decoder()
+
+    assert (manifest.nested, manifest.num_hidden_layers, manifest.hidden_size) == (True, 4, 64)
+    experts = decoder.layers[2].mlp.experts
+    for e in range(4):
+        prefix = f"language_model.model.layers.2.mlp.experts.{e}"
+        gate_up = torch.cat([checkpoint[f"{prefix}.gate_proj.weight"], checkpoint[f"{prefix}.up_proj.weight"]])
+        torch.testing.assert_close(experts.gate_up_proj[e], gate_up, rtol=0, atol=0)
+        torch.testing.assert_close(experts.down_proj[e], checkpoint[f"{prefix}.down_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(decoder.layers[0].mlp.up_proj.weight, checkpoint["language_model.model.layers.0.mlp.up_proj.weight"], rtol=0, atol=0)
+
+
+def test_a_nested_checkpoint_missing_decoder_weights_is_refused_naming_them(tiny_kimi_verifier, tmp_path):
+    broken = tmp_path / "no-layer-2"
+    shutil.copytree(tiny_kimi_verifier, broken)
+    weights = load_file(broken / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if ".layers.2." not in k}, broken / "model.safetensors")
+
+    with pytest.raises(ArtifactError, match=r"no-layer-2: weights \['model\.language_model\.layers\.2\..*not in the checkpoint"):
+        load_text_model(broken, torch.float32, "cpu")

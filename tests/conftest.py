@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import tiny_kimi_k25, tiny_llama, tiny_llava, tiny_qwen3_vl_moe  # noqa: E402
+from tiny_models import tiny_kimi_k25, tiny_llama, tiny_llava, tiny_qwen3_moe, tiny_qwen3_vl_moe  # noqa: E402
 
 SAMPLE = Path(__file__).resolve().parents[1] / "eagle3" / "data" / "sample_conversations.jsonl"
 
@@ -187,11 +187,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_draft(tmp_path_factory, num_layers: int):
+def _serve_draft(tmp_path_factory, num_layers: int, build=tiny_llama):
     from vllm_server import SERVED_NAME, ServedDraft, train_draft_for_serving, vllm_server
 
     root = tmp_path_factory.mktemp(f"served-{num_layers}-layer")
-    store, verifier, hidden_states, checkpoint = train_draft_for_serving(root, num_layers)
+    store, verifier, hidden_states, checkpoint = train_draft_for_serving(root, num_layers, build)
     with vllm_server(verifier.path, checkpoint.path, root / "vllm.log") as base_url:
         yield ServedDraft(base_url, SERVED_NAME, store, verifier, hidden_states, checkpoint)
 
@@ -215,6 +215,12 @@ def extraction_server(tmp_path_factory):
 def served_two_layer_draft(tmp_path_factory):
     """The same with a 2-layer draft (vLLM builds as many layers as the checkpoint names)."""
     yield from _serve_draft(tmp_path_factory, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def served_moe_draft(tmp_path_factory):
+    """The same for an MoE verifier (Qwen3-MoE: experts in every layer)."""
+    yield from _serve_draft(tmp_path_factory, num_layers=1, build=tiny_qwen3_moe)
 
 
 @pytest.fixture(scope="session")

@@ -138,3 +138,18 @@ def tiny_qwen3_vl_moe(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
     Qwen3VLMoeForConditionalGeneration(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def tiny_qwen3_moe(out: Path, num_layers: int = 4, hidden: int = 256, ascii_only: bool = False) -> Path:
+    """A Qwen3-MoE verifier: every decoder layer routes each token to 2 of 4 experts."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer(ascii_only=ascii_only)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=2048, tie_word_embeddings=False)
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -53,11 +53,11 @@ class ServedDraft:
     checkpoint: ExportManifest
 
 
-def train_draft_for_serving(root: Path, num_layers: int = 1) -> tuple[ArtifactStore, VerifierManifest, HiddenStatesManifest, ExportManifest]:
-    """A 4-layer H256 verifier (head_dim 64, as SmolLM2's) and a draft of `num_layers` decoder
-    layers trained on 24 of its own answers."""
+def train_draft_for_serving(root: Path, num_layers: int = 1, build=tiny_llama) -> tuple[ArtifactStore, VerifierManifest, HiddenStatesManifest, ExportManifest]:
+    """A 4-layer H256 verifier (head_dim 64, as SmolLM2's; `build` makes it) and a draft of
+    `num_layers` decoder layers trained on 24 of its own answers."""
     store = ArtifactStore(root / "store")
-    verifier = resolve_verifier(VerifierConfig(path=str(tiny_llama(root / "verifier", hidden=256, ascii_only=True))), store)
+    verifier = resolve_verifier(VerifierConfig(path=str(build(root / "verifier", hidden=256, ascii_only=True))), store)
     answers = regenerate(RegenerateConfig(enabled=True, max_records=24, max_new_tokens=48, batch_size=24), SAMPLE, verifier, store, Provenance())
     dataset = prepare_dataset(DatasetConfig(max_seq_len=256), regenerated_conversations(answers), load_tokenizer(verifier.path), store, Provenance())
     hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=[1, 2, 3]), dataset, verifier, store, Provenance())

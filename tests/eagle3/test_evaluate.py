@@ -539,7 +539,7 @@ def test_prompts_are_read_as_regeneration_reads_them(tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("served", ["served_draft", "served_two_layer_draft"])
+@pytest.mark.parametrize("served", ["served_draft", "served_two_layer_draft", "served_moe_draft"])
 def test_served_counters_give_the_acceptance_our_own_decoding_measures(served, request):
     served_draft = request.getfixturevalue(served)
     store, verifier, hidden, checkpoint = served_draft.store, served_draft.verifier, served_draft.hidden_states, served_draft.checkpoint

@@ -212,6 +212,15 @@ def extraction_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def moe_extraction_server(tmp_path_factory):
+    """The same for an MoE verifier (Qwen3-MoE): how a verifier too large for one GPU is extracted."""
+    from vllm_server import extracting_server
+
+    with extracting_server(tmp_path_factory.mktemp("served-moe-extraction"), build=tiny_qwen3_moe) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def served_two_layer_draft(tmp_path_factory):
     """The same with a 2-layer draft (vLLM builds as many layers as the checkpoint names)."""
     yield from _serve_draft(tmp_path_factory, num_layers=2)

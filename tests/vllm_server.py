@@ -125,11 +125,11 @@ class ExtractingServer:
 
 
 @contextmanager
-def extracting_server(root: Path) -> Iterator[ExtractingServer]:
-    """A 4-layer H256 verifier served by the command `eagle3 extraction-server --cpu` prints (run
-    with the vLLM environment's python): its states at layers 1, 2, 3 and 4 (the final pre-norm
-    state), through this package's connector."""
-    verifier_dir = tiny_llama(root / "verifier", hidden=256)
+def extracting_server(root: Path, build=tiny_llama) -> Iterator[ExtractingServer]:
+    """A 4-layer H256 verifier (`build` makes it) served by the command `eagle3 extraction-server
+    --cpu` prints (run with the vLLM environment's python): its states at layers 1, 2, 3 and 4 (the
+    final pre-norm state), through this package's connector."""
+    verifier_dir = build(root / "verifier", hidden=256)
     storage, port = root / "served-states", free_port()
     printed = io.StringIO()
     with redirect_stdout(printed):

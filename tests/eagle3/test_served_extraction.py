@@ -24,14 +24,19 @@ from eagle3.verifier import load_tokenizer, resolve_verifier
 from vllm_server import EXTRACTED_AUX as AUX, EXTRACTION_CONTEXT, SERVED_NAME
 
 
-@pytest.fixture(scope="module")
-def served_setup(extraction_server, tmp_path_factory):
-    """The session's extracting server, its verifier, and a sample dataset whose samples fit its context."""
-    store = ArtifactStore(tmp_path_factory.mktemp("store"))
-    verifier = resolve_verifier(VerifierConfig(path=str(extraction_server.verifier_dir)), store)
+def _setup(server, store_dir):
+    """An extracting server, its verifier, and a sample dataset whose samples fit its context."""
+    store = ArtifactStore(store_dir)
+    verifier = resolve_verifier(VerifierConfig(path=str(server.verifier_dir)), store)
     tokenizer = load_tokenizer(verifier.path)
     dataset = prepare_dataset(DatasetConfig(max_seq_len=EXTRACTION_CONTEXT - 1, max_records=12), SAMPLE, tokenizer, store, Provenance())
-    return store, verifier, dataset, extraction_server.base_url, extraction_server.storage
+    return store, verifier, dataset, server.base_url, server.storage
+
+
+@pytest.fixture(scope="module")
+def served_setup(extraction_server, tmp_path_factory):
+    """The session's extracting server (a Llama verifier), set up as `_setup` says."""
+    return _setup(extraction_server, tmp_path_factory.mktemp("store"))
 
 
 def _served(base_url: str, **kw) -> ExtractConfig:
@@ -39,8 +44,9 @@ def _served(base_url: str, **kw) -> ExtractConfig:
 
 
 @pytest.mark.vllm
-def test_served_states_equal_the_in_process_ones_and_are_cached_apart(served_setup):
-    store, verifier, dataset, base_url, served_files = served_setup
+@pytest.mark.parametrize("server", ["extraction_server", "moe_extraction_server"])  # Llama; Qwen3-MoE, experts in every layer
+def test_served_states_equal_the_in_process_ones_and_are_cached_apart(server, request, tmp_path):
+    store, verifier, dataset, base_url, served_files = _setup(request.getfixturevalue(server), tmp_path / "store")
 
     local = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, records_per_shard=5), dataset, verifier, store, Provenance(config={"run": "local"}))
     served = extract_hidden_states(_served(base_url, concurrency=3), dataset, verifier, store, Provenance(config={"run": "served"}))

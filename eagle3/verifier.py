@@ -33,7 +33,7 @@ __all__ = [
     "verifier_source",
 ]
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")  # the last: Kimi's
 
 
 class VerifierManifest(ArtifactManifest):

@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tiny_models import tiny_llama
+from tiny_models import kimi_tokenizer_files, tiny_llama
 from eagle3.config import VerifierConfig
 from eagle3.store import ArtifactError, ArtifactStore
-from eagle3.verifier import load_text_model, resolve_verifier
+from eagle3.verifier import chat_prompt_ids, load_text_model, load_tokenizer, resolve_verifier
 
 
 def test_missing_tokenizer_names_the_directory(tiny_verifier, tmp_path):
@@ -66,3 +66,16 @@ def test_a_nested_checkpoint_missing_decoder_weights_is_refused_naming_them(tiny
 
     with pytest.raises(ArtifactError, match=r"no-layer-2: weights \['model\.language_model\.layers\.2\..*not in the checkpoint"):
         load_text_model(broken, torch.float32, "cpu")
+
+
+def test_a_tiktoken_tokenizer_as_kimi_ships_it_is_read_without_its_repository_code(tiny_kimi_verifier, tmp_path):
+    kimi = tmp_path / "kimi"
+    shutil.copytree(tiny_kimi_verifier, kimi)
+    kimi_tokenizer_files(kimi)
+
+    manifest = resolve_verifier(VerifierConfig(path=str(kimi)), ArtifactStore(tmp_path / "s"))
+    tokenizer = load_tokenizer(manifest.path)
+
+    assert tokenizer("hi").input_ids == [ord("h"), ord("i")]
+    assert chat_prompt_ids(tokenizer, [{"role": "user", "content": "hi"}]) == [260, ord("h"), ord("i"), 262, 261]
+    assert tokenizer.eos_token_id == 262

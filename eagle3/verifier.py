@@ -33,7 +33,7 @@ __all__ = [
     "verifier_source",
 ]
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")  # the last: Kimi's
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class VerifierManifest(ArtifactManifest):
@@ -65,9 +65,26 @@ def text_config(config):
     return getattr(config, "text_config", None) or config
 
 
+def _read_config(path: Path):
+    """The verifier's config, or an ArtifactError naming config.json where transformers cannot read it."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(path)
+    except (ValueError, OSError) as exc:
+        raise ArtifactError(path / "config.json", f"transformers {transformers.__version__} cannot read it: {str(exc).splitlines()[0]}") from exc
+
+
 def _check_hf_dir(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise ArtifactError(path, "field 'config.json' is missing: not an HF model directory")
+    if (path / "tiktoken.model").is_file() and not (path / "tokenizer.json").is_file():
+        raise ArtifactError(
+            path / "tiktoken.model",
+            "a tiktoken tokenizer (as Kimi's checkpoints ship) splits text by a rule its repository's own code "
+            "holds; transformers reads the file with another rule (cl100k's), so training would see other token ids "
+            "than the model's own tokenizer. Save a tokenizer.json that reproduces that tokenizer beside it.",
+        )
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ArtifactError(
             path,
@@ -128,9 +145,7 @@ def resolve_verifier(cfg: VerifierConfig, store: ArtifactStore) -> VerifierManif
 
 
 def _manifest(hf_dir: Path, source_digest: str, provenance: Provenance) -> VerifierManifest:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(hf_dir)
+    config = _read_config(hf_dir)
     text = text_config(config)
     return VerifierManifest(
         **provenance.model_dump(),
@@ -180,14 +195,16 @@ def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
         ArtifactError: transformers has no such model for the config, or the checkpoint lacks weights
             the model has (which transformers would leave randomly initialised).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(path)
+    config = _read_config(path)
     auto = AutoModelForCausalLM if text_config(config) is config else AutoModelForImageTextToText
     if type(config) not in auto._model_mapping:
         raise ArtifactError(path, f"field 'model_type' is '{config.model_type}': transformers has no {auto.__name__} for it")
     model, info = auto.from_pretrained(path, dtype=dtype, output_loading_info=True)
-    if missing := sorted(info["missing_keys"]):
+    decoder = next(name for name, module in model.named_modules() if module is model.get_decoder())
+    # A nested checkpoint may leave out its vision tower (never run on text); not the decoder or head.
+    if missing := sorted(k for k in info["missing_keys"] if k.startswith((decoder + ".", "lm_head."))):
         raise ArtifactError(
             path, f"weights {missing[:5]}{' ...' if len(missing) > 5 else ''} of {type(model).__name__} are not in the "
             "checkpoint: it is not a checkpoint of its config.json")

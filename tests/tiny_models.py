@@ -91,26 +91,6 @@ def tiny_llava(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
     return out
 
 
-def kimi_tokenizer_files(out: Path) -> None:
-    """Replace `out`'s tokenizer with one laid out as Kimi's checkpoints ship theirs: `tiktoken.model`
-    (base64 token and rank per line; here the 256 bytes) and a config naming the repository's own
-    `TikTokenTokenizer` code, which is not there (transformers reads the file without it)."""
-    import base64
-
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        (out / name).unlink(missing_ok=True)
-    (out / "tiktoken.model").write_bytes(b"".join(base64.b64encode(bytes([i])) + b" %d\n" % i for i in range(256)))
-    specials = ["[BOS]", "[EOS]", "[UNK]", "[PAD]", "<|im_user|>", "<|im_assistant|>", "<|im_end|>"]
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "TikTokenTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-        "bos_token": "[BOS]", "eos_token": "<|im_end|>", "unk_token": "[UNK]", "pad_token": "[PAD]",
-        "added_tokens_decoder": {str(256 + i): {"content": t, "special": True} for i, t in enumerate(specials)},
-    }))
-    (out / "chat_template.jinja").write_text(
-        "{% for m in messages %}<|im_{{ 'user' if m['role'] == 'user' else 'assistant' }}|>{{ m['content'] }}<|im_end|>{% endfor %}"
-        "{% if add_generation_prompt %}<|im_assistant|>{% endif %}")
-
-
 def tiny_kimi_k25(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
     """A Kimi-K2.5-style verifier: a DeepSeek-V3 decoder (MLA attention, routed and shared experts
     after one dense layer) nested beside a vision tower, saved with the original checkpoint's keys

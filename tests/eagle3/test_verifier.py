@@ -1,15 +1,16 @@
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tiny_models import kimi_tokenizer_files, tiny_llama
+from tiny_models import tiny_llama
 from eagle3.config import VerifierConfig
 from eagle3.store import ArtifactError, ArtifactStore
-from eagle3.verifier import chat_prompt_ids, load_text_model, load_tokenizer, resolve_verifier
+from eagle3.verifier import load_text_model, resolve_verifier
 
 
 def test_missing_tokenizer_names_the_directory(tiny_verifier, tmp_path):
@@ -26,6 +27,16 @@ def test_a_tokenizer_without_chat_template_is_refused_naming_the_directory(tmp_p
 
     with pytest.raises(ArtifactError, match=r"base-model: the tokenizer has no chat template"):
         resolve_verifier(VerifierConfig(path=str(base)), ArtifactStore(tmp_path / "s"))
+
+
+def test_a_config_transformers_cannot_read_is_named(tiny_verifier, tmp_path):
+    unknown = tmp_path / "unknown"
+    shutil.copytree(tiny_verifier, unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "frobnicator"}))
+
+    with pytest.raises(ArtifactError, match=r"unknown/config\.json: transformers \S+ cannot read it: .*model type `frobnicator`"):
+        resolve_verifier(VerifierConfig(path=str(unknown)), ArtifactStore(tmp_path / "s"))
 
 
 def test_missing_path_is_named(tmp_path):
@@ -68,14 +79,25 @@ def test_a_nested_checkpoint_missing_decoder_weights_is_refused_naming_them(tiny
         load_text_model(broken, torch.float32, "cpu")
 
 
-def test_a_tiktoken_tokenizer_as_kimi_ships_it_is_read_without_its_repository_code(tiny_kimi_verifier, tmp_path):
+def test_a_tiktoken_tokenizer_without_tokenizer_json_is_refused_naming_why(tiny_kimi_verifier, tmp_path):
+    """Kimi ships `tiktoken.model`; transformers would read it with cl100k's splitting rule, not Kimi's."""
     kimi = tmp_path / "kimi"
     shutil.copytree(tiny_kimi_verifier, kimi)
-    kimi_tokenizer_files(kimi)
+    (kimi / "tokenizer.json").unlink()
+    (kimi / "tiktoken.model").write_bytes(b"YQ== 0\n")
 
-    manifest = resolve_verifier(VerifierConfig(path=str(kimi)), ArtifactStore(tmp_path / "s"))
-    tokenizer = load_tokenizer(manifest.path)
+    with pytest.raises(ArtifactError, match=r"kimi/tiktoken\.model: a tiktoken tokenizer .* Save a tokenizer\.json"):
+        resolve_verifier(VerifierConfig(path=str(kimi)), ArtifactStore(tmp_path / "s"))
 
-    assert tokenizer("hi").input_ids == [ord("h"), ord("i")]
-    assert chat_prompt_ids(tokenizer, [{"role": "user", "content": "hi"}]) == [260, ord("h"), ord("i"), 262, 261]
-    assert tokenizer.eos_token_id == 262
+
+def test_a_nested_checkpoint_without_its_vision_tower_loads_its_decoder(tiny_nested_verifier, tmp_path):
+    """Text-only copies of multimodal models may keep the nested config and drop the vision weights."""
+    text_only = tmp_path / "text-only"
+    shutil.copytree(tiny_nested_verifier, text_only)
+    weights = load_file(text_only / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "vision" not in k and "projector" not in k}, text_only / "model.safetensors")
+    [key] = [k for k in weights if k.endswith("layers.1.mlp.up_proj.weight")]
+
+    decoder = load_text_model(text_only, torch.float32, "cpu").get_decoder()
+
+    torch.testing.assert_close(decoder.layers[1].mlp.up_proj.weight, weights[key], rtol=0, atol=0)

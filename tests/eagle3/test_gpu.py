@@ -115,6 +115,21 @@ def test_cuda_graph_replays_compute_what_eager_passes_compute(tiny_verifier):
     capture.close()
 
 
+@pytest.mark.parametrize("nested", ["tiny_kimi_verifier", "tiny_qwen_vl_moe_verifier"])  # MLA and experts; rotary sections
+def test_a_nested_moe_verifier_decodes_on_the_gpu_what_transformers_cache_decodes(nested, request):
+    """Whichever forward `forward_for` picks (graph replays, or the dynamic cache where routing
+    cannot be captured), greedy and drafted decodes are the verifier's plain greedy output."""
+    model = load_text_model(request.getfixturevalue(nested), torch.float32, "cuda")
+    prompt = [1, 200, 300, 400, 500, 600, 700, 200, 300]
+    expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False, eos_token_id=None)[0, len(prompt):]
+
+    with torch.inference_mode():
+        forward = forward_for(model, None, len(prompt) + 48, prompt)
+        assert greedy_decode(forward, prompt, 40, set()).tokens == expected.tolist()
+        for k in (1, 3):
+            assert speculative_decode(forward, NgramProposer(), prompt, 40, k, set()).tokens == expected.tolist()
+
+
 def _gib_held_by_other_processes() -> float:
     """GPU memory in use beyond this process's allocator cache (its own CUDA context included)."""
     torch.cuda.empty_cache()

@@ -37,7 +37,7 @@ from eagle3.prepare_dataset import read_user_turns
 from eagle3.speculative import DecodeStats, NgramProposer, greedy_decode, speculative_decode
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, step_provenance
 from eagle3.tau import PER_PROMPT, Counts, per_prompt_counts, read_counts, tau_from_counts, tau_standard_error
-from eagle3.verifier import VerifierManifest, chat_prompt_ids, eos_token_ids, load_text_model, load_tokenizer
+from eagle3.verifier import VerifierManifest, chat_prompt_ids, eos_token_ids, load_text_model, verifier_tokenizer
 
 __all__ = [
     "BaselineManifest", "DecodingModel", "baseline_provenance", "chat_prompts", "decode_remaining", "decode_summary", "device_name",
@@ -101,7 +101,7 @@ class DecodingModel:
 
     @classmethod
     def load(cls, verifier: VerifierManifest, prompts: list[list[int]], device: str, dtype: str) -> DecodingModel:
-        tokenizer = load_tokenizer(verifier.path)
+        tokenizer = verifier_tokenizer(verifier)
         resolved = resolve_device(device)
         model = load_text_model(verifier.path, getattr(torch, dtype), resolved)
         return cls(model, resolved, eos_token_ids(tokenizer, model), prompts)
@@ -118,7 +118,7 @@ def chat_prompts(verifier: VerifierManifest, texts: list[str], source: Path) -> 
     Raises:
         ArtifactError: the template refuses a prompt (named by its record in `source`).
     """
-    tokenizer = load_tokenizer(verifier.path)
+    tokenizer = verifier_tokenizer(verifier)
     prompts = []
     for index, text in enumerate(texts):
         try:

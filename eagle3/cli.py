@@ -153,6 +153,8 @@ def _extraction_server(args) -> int:
     command = [*serve, str(verifier.path), "--served-model-name", endpoint.model or "verifier",
                "--port", str(url.port or (443 if url.scheme == "https" else 80))]
     command += server_args([*aux, verifier.num_hidden_layers], storage, cpu=args.cpu)
+    if verifier.trust_remote_code:  # the server tokenizes with the code the run trusts
+        command.append("--trust-remote-code")
     environment = f"PYTHONPATH={shlex.quote(str(Path(eagle3.__file__).parents[1]))} " if args.cpu else ""
     print(environment + shlex.join(command))
     if endpoint.model is None:

@@ -91,6 +91,34 @@ def tiny_llava(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
     return out
 
 
+REPOSITORY_TOKENIZER = """from tokenizers import Tokenizer
+from transformers import PreTrainedTokenizerFast
+
+
+class LabelledTokenizer(PreTrainedTokenizerFast):
+    \"\"\"Reads its vocabulary from labelled.json, which transformers alone does not look for.\"\"\"
+
+    vocab_files_names = {"labelled_file": "labelled.json"}
+
+    def __init__(self, labelled_file=None, **kwargs):
+        super().__init__(tokenizer_object=Tokenizer.from_file(labelled_file), **kwargs)
+"""
+
+
+def with_repository_tokenizer(verifier: Path, out: Path) -> Path:
+    """A copy of `verifier` whose tokenizer only the Python code in its own directory can load
+    (its `auto_map`), as Kimi's tiktoken tokenizer."""
+    import shutil
+
+    shutil.copytree(verifier, out)
+    (out / "tokenizer.json").rename(out / "labelled.json")
+    (out / "tokenization_labelled.py").write_text(REPOSITORY_TOKENIZER)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="LabelledTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_labelled.LabelledTokenizer"]})
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
 def tiny_kimi_k25(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
     """A Kimi-K2.5-style verifier: a DeepSeek-V3 decoder (MLA attention, routed and shared experts
     after one dense layer) nested beside a vision tower, saved with the original checkpoint's keys

@@ -21,6 +21,7 @@ from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
 from eagle3.served_extraction import ServedStates, read_states
 from eagle3.store import ArtifactStore, Provenance
 from eagle3.verifier import load_tokenizer, resolve_verifier
+from tiny_models import with_repository_tokenizer
 from vllm_server import EXTRACTED_AUX as AUX, EXTRACTION_CONTEXT, SERVED_NAME
 
 
@@ -184,6 +185,16 @@ def test_the_printed_gpu_server_command_captures_the_configured_layers_with_vllm
     connector = json.loads(flags["--kv-transfer-config"])
     assert connector["kv_connector"] == "ExampleHiddenStatesConnector" and "kv_connector_module_path" not in connector
     assert connector["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path / "served-states")
+    assert "--trust-remote-code" not in command
+
+
+def test_the_printed_server_command_trusts_the_verifiers_code_where_the_run_does(tiny_verifier, tmp_path, capsys):
+    own = with_repository_tokenizer(tiny_verifier, tmp_path / "own-tokenizer")
+
+    assert main(["extraction-server", f"verifier.path={own}", "verifier.trust_remote_code=true", f"store_dir={tmp_path}",
+                 "extract.aux_layer_ids=[1,2,3]"]) == 0
+
+    assert "--trust-remote-code" in shlex.split(capsys.readouterr().out)
 
 
 @pytest.fixture(scope="module")

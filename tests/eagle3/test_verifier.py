@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tiny_models import tiny_llama
+from tiny_models import tiny_llama, with_repository_tokenizer
 from eagle3.config import VerifierConfig
 from eagle3.store import ArtifactError, ArtifactStore
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier, verifier_tokenizer
@@ -105,31 +105,9 @@ def test_a_nested_checkpoint_without_its_vision_tower_loads_its_decoder(tiny_nes
     torch.testing.assert_close(decoder.layers[1].mlp.up_proj.weight, weights[key], rtol=0, atol=0)
 
 
-REPOSITORY_TOKENIZER = """from tokenizers import Tokenizer
-from transformers import PreTrainedTokenizerFast
-
-
-class LabelledTokenizer(PreTrainedTokenizerFast):
-    \"\"\"Reads its vocabulary from labelled.json, which transformers alone does not look for.\"\"\"
-
-    vocab_files_names = {"labelled_file": "labelled.json"}
-
-    def __init__(self, labelled_file=None, **kwargs):
-        super().__init__(tokenizer_object=Tokenizer.from_file(labelled_file), **kwargs)
-"""
-
-
 @pytest.fixture
 def repository_tokenizer_verifier(tiny_verifier, tmp_path) -> Path:
-    """A verifier whose tokenizer only the Python code in its own directory can load (as Kimi's)."""
-    out = tmp_path / "own-tokenizer"
-    shutil.copytree(tiny_verifier, out)
-    (out / "tokenizer.json").rename(out / "labelled.json")
-    (out / "tokenization_labelled.py").write_text(REPOSITORY_TOKENIZER)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config.update(tokenizer_class="LabelledTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_labelled.LabelledTokenizer"]})
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
-    return out
+    return with_repository_tokenizer(tiny_verifier, tmp_path / "own-tokenizer")
 
 
 def test_a_tokenizer_only_its_repository_code_loads_is_refused_naming_the_flag(repository_tokenizer_verifier, tmp_path):

@@ -37,8 +37,9 @@ class ServedAnswer:
     completion_tokens: int  # as the server counts them: vLLM includes the stop token
 
 
-def open_client(cfg: EndpointConfig) -> openai.OpenAI:
-    """A client for `cfg.base_url`, after checking that the server lists `cfg.model`.
+def open_client(cfg: EndpointConfig) -> tuple[openai.OpenAI, openai.types.Model]:
+    """A client for `cfg.base_url`, and the server's listing of `cfg.model` (vLLM's holds its
+    `max_model_len`), after checking that the server lists it.
 
     Raises:
         EndpointError: the server cannot be reached, or does not serve `cfg.model`.
@@ -50,15 +51,15 @@ def open_client(cfg: EndpointConfig) -> openai.OpenAI:
         max_retries=cfg.max_retries,
     )
     try:
-        served = [m.id for m in client.models.list()]
+        served = list(client.models.list())
     except openai.APIError as exc:
         raise _unreachable(cfg, exc) from exc
-    if cfg.model not in served:
+    if (listing := next((m for m in served if m.id == cfg.model), None)) is None:
         raise EndpointError(
-            f"{cfg.base_url}: endpoint.model is {cfg.model!r}, but the server serves {served}; "
+            f"{cfg.base_url}: endpoint.model is {cfg.model!r}, but the server serves {[m.id for m in served]}; "
             "set endpoint.model to the served model name (`vllm serve --served-model-name`)."
         )
-    return client
+    return client, listing
 
 
 def chat(client: openai.OpenAI, cfg: EndpointConfig, messages: list[dict[str, str]], sampling: dict) -> ServedAnswer:

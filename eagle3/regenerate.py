@@ -199,7 +199,7 @@ def _regenerate_by_transformers(
 
 
 def _answers_by_server(todo: list[Record], cfg: RegenerateConfig) -> Iterator[dict]:
-    client = open_client(cfg.endpoint)
+    client, _ = open_client(cfg.endpoint)
     sampling = {"max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
 
     def answer(record: Record) -> dict:

@@ -108,7 +108,7 @@ def measure_served_acceptance(cfg: EvalConfig, prompts: list[str], prompts_path:
         EndpointError: the server is unreachable, does not serve `endpoint.model`, or has no draft.
         ArtifactError: the server rejected a prompt (too long for its context, say).
     """
-    client = open_client(cfg.endpoint)
+    client, _ = open_client(cfg.endpoint)
     sampling = {"max_tokens": cfg.max_new_tokens, "temperature": 0.0}
     before = read_spec_decode_counters(cfg.endpoint)
     start = time.perf_counter()

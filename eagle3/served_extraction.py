@@ -141,12 +141,6 @@ def prefill(client: openai.OpenAI, cfg: EndpointConfig, token_ids: list[int]):
     )
 
 
-def served_context(client: openai.OpenAI, cfg: EndpointConfig) -> int | None:
-    """The most tokens (prompt and answer) the server takes per request, where it says (vLLM does)."""
-    served = request(cfg, lambda: client.models.list())
-    return next((getattr(m, "max_model_len", None) for m in served if m.id == cfg.model), None)
-
-
 def _too_long(record_id: str, index: int, num_tokens: int, reason: str) -> ConfigError:
     return ConfigError(
         f"record {record_id!r} (sample {index}, {num_tokens} tokens): {reason}. Serve with a --max-model-len "
@@ -159,8 +153,8 @@ class ServedStates:
 
     def __init__(self, cfg: EndpointConfig, num_slots: int, hidden_size: int):
         self.cfg = cfg
-        self.client = open_client(cfg)
-        self.max_model_len = served_context(self.client, cfg)
+        self.client, listing = open_client(cfg)
+        self.max_model_len: int | None = getattr(listing, "max_model_len", None)  # tokens a request takes, where the server says
         self.shape = (num_slots, hidden_size)
 
     def check_fit(self, samples: list[Sample]) -> None:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -198,6 +200,33 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
+def _decoder_name(auto, config) -> str:
+    """The text decoder's module name in the model `auto` builds for `config` (built on the meta device: no weights)."""
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    return next(name for name, module in model.named_modules() if module is model.get_decoder())
+
+
+def _quantization_loading(auto, config) -> dict:
+    """`from_pretrained`'s arguments for a quantized checkpoint (none for a plain one), `config`
+    given its quantization_config where transformers reads it, at the top (Kimi-K2.5 nests it in
+    `text_config`). compressed-tensors weights are dequantized once at load, so every forward (CUDA
+    graphs, the decoder run alone) sees plain weights; of a nested checkpoint only the text
+    decoder's, the one part that runs."""
+    from transformers import CompressedTensorsConfig
+
+    quantization = getattr(config, "quantization_config", None) or getattr(text_config(config), "quantization_config", None)
+    if quantization is None:
+        return {}
+    config.quantization_config = quantization
+    if quantization.get("quant_method") != "compressed-tensors":
+        return {}
+    if text_config(config) is not config:
+        outside = rf"re:^(?!{re.escape(_decoder_name(auto, config))}\.)"
+        config.quantization_config = {**quantization, "ignore": [*quantization.get("ignore", []), outside]}
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
+
 def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
     """The verifier as transformers loads it for text: a `*ForCausalLM`, or for a nested multimodal
     checkpoint its `*ForConditionalGeneration` (text-only inputs never reach the vision tower, a small
@@ -205,9 +234,13 @@ def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
     Kimi-K2.5 checkpoint's per-expert tensors fused into its DeepSeek-V3 decoder's). `get_decoder()`
     is the text decoder either way.
 
+    A quantized checkpoint loads through transformers' quantizer for its `quantization_config`;
+    compressed-tensors ones (llm-compressor's) are dequantized to `dtype`.
+
     Raises:
-        ArtifactError: transformers has no such model for the config, or the checkpoint lacks weights
-            the model has (which transformers would leave randomly initialised).
+        ArtifactError: transformers has no such model for the config, cannot load its quantization
+            (a package missing), or the checkpoint lacks weights the model has (which transformers
+            would leave randomly initialised).
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -215,11 +248,21 @@ def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
     auto = AutoModelForCausalLM if text_config(config) is config else AutoModelForImageTextToText
     if type(config) not in auto._model_mapping:
         raise ArtifactError(path, f"field 'model_type' is '{config.model_type}': transformers has no {auto.__name__} for it")
-    model, info = auto.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    loading = _quantization_loading(auto, config)
+    try:
+        with warnings.catch_warnings():  # that the checkpoint's quantization_config is kept, `dequantize` set
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+            model, info = auto.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True, **loading)
+    except ImportError as exc:
+        if (quantization := getattr(config, "quantization_config", None)) is None:
+            raise
+        method = quantization.get("quant_method")  # whose package is missing
+        raise ArtifactError(path / "config.json", f"field 'quantization_config' ({method}): {exc}") from exc
     decoder = next(name for name, module in model.named_modules() if module is model.get_decoder())
     # A nested checkpoint may leave out its vision tower (never run on text); not the decoder or head.
     if missing := sorted(k for k in info["missing_keys"] if k.startswith((decoder + ".", "lm_head."))):
         raise ArtifactError(
             path, f"weights {missing[:5]}{' ...' if len(missing) > 5 else ''} of {type(model).__name__} are not in the "
             "checkpoint: it is not a checkpoint of its config.json")
-    return model.to(device).eval()
+    # Dequantized weights take their scales' dtype (transformers' expert path keeps float32 ones).
+    return model.to(device, **({"dtype": dtype} if loading else {})).eval()

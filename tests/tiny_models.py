@@ -181,3 +181,47 @@ def tiny_qwen3_moe(out: Path, num_layers: int = 4, hidden: int = 256, ascii_only
     Qwen3MoeForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+# Kimi-K2.5's own quantization: INT4 routed experts; attention, shared experts, dense MLPs, head and vision tower as they were.
+KIMI_INT4_WEIGHTS = r"\.experts\.\d+\.(gate|up|down)_proj\.weight$"
+KIMI_INT4_IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
+                    "re:vision_tower.*", "re:mm_projector.*"]
+
+
+def int4_checkpoint(source: Path, out: Path, quantize: str, ignore: list[str], nested: bool = False) -> tuple[Path, Path]:
+    """`source` as llm-compressor saves an INT4 model: compressed-tensors' "pack-quantized" format,
+    symmetric, one scale per 32 inputs, on the weights whose keys match `quantize` (which must be the
+    Linear layers `ignore`, in compressed-tensors' own patterns, leaves quantized). `nested` puts the
+    `quantization_config` in `text_config`, where Kimi-K2.5's checkpoint has it. Returns the INT4
+    directory and a plain copy of `source` holding the dequantized weights: what loading must compute."""
+    import re
+    import shutil
+
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import load_file, save_file
+
+    dense = out.with_name(out.name + "-dequantized")
+    for target in (out, dense):
+        shutil.copytree(source, target)
+    state, packed, dequantized = load_file(source / "model.safetensors"), {}, {}
+    for key, weight in state.items():
+        if not re.search(quantize, key):
+            packed[key] = dequantized[key] = weight
+            continue
+        groups = weight.reshape(weight.shape[0], -1, 32)
+        scale = groups.abs().amax(-1) / 7
+        q = torch.round(groups / scale[..., None]).clamp(-8, 7).to(torch.int8)
+        dequantized[key] = (q * scale[..., None]).reshape(weight.shape)
+        module = key.removesuffix(".weight")
+        packed |= {f"{module}.weight_packed": pack_to_int32(q.reshape(weight.shape), 4), f"{module}.weight_scale": scale,
+                   f"{module}.weight_shape": torch.tensor(weight.shape, dtype=torch.int64)}
+    save_file(packed, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, dense / "model.safetensors", metadata={"format": "pt"})
+    scheme = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}
+    quantization = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                    "config_groups": {"group_0": scheme}, "ignore": ignore}
+    config = json.loads((out / "config.json").read_text())
+    (config["text_config"] if nested else config)["quantization_config"] = quantization
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out, dense

@@ -115,7 +115,8 @@ def test_cuda_graph_replays_compute_what_eager_passes_compute(tiny_verifier):
     capture.close()
 
 
-@pytest.mark.parametrize("nested", ["tiny_kimi_verifier", "tiny_qwen_vl_moe_verifier"])  # MLA and experts; rotary sections
+# MLA and experts (also INT4 ones, dequantized at load); rotary sections
+@pytest.mark.parametrize("nested", ["tiny_kimi_verifier", "tiny_kimi_int4_verifier", "tiny_qwen_vl_moe_verifier"])
 def test_a_nested_moe_verifier_decodes_on_the_gpu_what_transformers_cache_decodes(nested, request):
     """Whichever forward `forward_for` picks (graph replays, or the dynamic cache where routing
     cannot be captured), greedy and drafted decodes are the verifier's plain greedy output."""

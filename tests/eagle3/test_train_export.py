@@ -308,8 +308,10 @@ def test_cpu_adaptation_is_undone_on_exit():
     assert (trainer_module._StepTimer, checkpointer_module.get_current_device) == saved
 
 
-# Llava; Kimi-K2.5 (MLA attention, per-expert checkpoint tensors); Qwen3-VL-MoE (multimodal rotary positions, no text *ForCausalLM)
-@pytest.mark.parametrize("nested", ["tiny_nested_verifier", "tiny_kimi_verifier", "tiny_qwen_vl_moe_verifier"])
+# Llava; Kimi-K2.5 (MLA attention, per-expert checkpoint tensors), also with its INT4 routed experts;
+# Qwen3-VL-MoE (multimodal rotary positions, no text *ForCausalLM)
+@pytest.mark.parametrize(
+    "nested", ["tiny_nested_verifier", "tiny_kimi_verifier", "tiny_kimi_int4_verifier", "tiny_qwen_vl_moe_verifier"])
 def test_nested_verifier_regenerates_trains_exports_and_decodes_with_its_text_vocab(nested, request, tmp_path):
     from conftest import SAMPLE, write_jsonl
 

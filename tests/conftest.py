@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import (  # noqa: E402
-    KIMI_INT4_IGNORE, KIMI_INT4_WEIGHTS, int4_checkpoint, tiny_kimi_k25, tiny_llama, tiny_llava, tiny_qwen3_moe, tiny_qwen3_vl_moe,
+    KIMI_INT4_IGNORE, KIMI_INT4_WEIGHTS, compressed_checkpoint, tiny_kimi_k25, tiny_llama, tiny_llava, tiny_qwen3_moe, tiny_qwen3_vl_moe,
 )
 
 SAMPLE = Path(__file__).resolve().parents[1] / "eagle3" / "data" / "sample_conversations.jsonl"
@@ -55,7 +55,7 @@ def tiny_kimi_verifier(tmp_path_factory) -> Path:
 def tiny_kimi_int4_verifier(tiny_kimi_verifier, tmp_path_factory) -> Path:
     """tiny_kimi_verifier as Kimi-K2.5 ships: INT4 routed experts (compressed-tensors), the config in text_config."""
     out = tmp_path_factory.mktemp("tiny-kimi-int4") / "int4"
-    return int4_checkpoint(tiny_kimi_verifier, out, KIMI_INT4_WEIGHTS, KIMI_INT4_IGNORE, nested=True)[0]
+    return compressed_checkpoint(tiny_kimi_verifier, out, KIMI_INT4_WEIGHTS, KIMI_INT4_IGNORE, nested=True)[0]
 
 
 @pytest.fixture(scope="session")

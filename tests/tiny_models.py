@@ -189,11 +189,13 @@ KIMI_INT4_IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(ga
                     "re:vision_tower.*", "re:mm_projector.*"]
 
 
-def int4_checkpoint(source: Path, out: Path, quantize: str, ignore: list[str], nested: bool = False) -> tuple[Path, Path]:
-    """`source` as llm-compressor saves an INT4 model: compressed-tensors' "pack-quantized" format,
-    symmetric, one scale per 32 inputs, on the weights whose keys match `quantize` (which must be the
-    Linear layers `ignore`, in compressed-tensors' own patterns, leaves quantized). `nested` puts the
-    `quantization_config` in `text_config`, where Kimi-K2.5's checkpoint has it. Returns the INT4
+def compressed_checkpoint(source: Path, out: Path, quantize: str, ignore: list[str], scheme: str = "int4",
+                          nested: bool = False) -> tuple[Path, Path]:
+    """`source` as llm-compressor saves it quantized, in compressed-tensors' formats: `int4`
+    ("pack-quantized", symmetric, one scale per 32 inputs) or `fp8` ("float-quantized" e4m3, one scale
+    per output channel), on the weights whose keys match `quantize` (which must be the Linear layers
+    `ignore`, in compressed-tensors' own patterns, leaves quantized). `nested` puts the
+    `quantization_config` in `text_config`, where Kimi-K2.5's checkpoint has it. Returns the quantized
     directory and a plain copy of `source` holding the dequantized weights: what loading must compute."""
     import re
     import shutil
@@ -204,23 +206,32 @@ def int4_checkpoint(source: Path, out: Path, quantize: str, ignore: list[str], n
     dense = out.with_name(out.name + "-dequantized")
     for target in (out, dense):
         shutil.copytree(source, target)
-    state, packed, dequantized = load_file(source / "model.safetensors"), {}, {}
+    state, quantized, dequantized = load_file(source / "model.safetensors"), {}, {}
     for key, weight in state.items():
         if not re.search(quantize, key):
-            packed[key] = dequantized[key] = weight
+            quantized[key] = dequantized[key] = weight
             continue
-        groups = weight.reshape(weight.shape[0], -1, 32)
-        scale = groups.abs().amax(-1) / 7
-        q = torch.round(groups / scale[..., None]).clamp(-8, 7).to(torch.int8)
-        dequantized[key] = (q * scale[..., None]).reshape(weight.shape)
         module = key.removesuffix(".weight")
-        packed |= {f"{module}.weight_packed": pack_to_int32(q.reshape(weight.shape), 4), f"{module}.weight_scale": scale,
-                   f"{module}.weight_shape": torch.tensor(weight.shape, dtype=torch.int64)}
-    save_file(packed, out / "model.safetensors", metadata={"format": "pt"})
+        if scheme == "int4":
+            groups = weight.reshape(weight.shape[0], -1, 32)
+            scale = groups.abs().amax(-1) / 7
+            q = torch.round(groups / scale[..., None]).clamp(-8, 7).to(torch.int8)
+            dequantized[key] = (q * scale[..., None]).reshape(weight.shape)
+            quantized |= {f"{module}.weight_packed": pack_to_int32(q.reshape(weight.shape), 4), f"{module}.weight_scale": scale,
+                          f"{module}.weight_shape": torch.tensor(weight.shape, dtype=torch.int64)}
+        else:
+            scale = weight.abs().amax(-1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max
+            q = (weight / scale).to(torch.float8_e4m3fn)
+            dequantized[key] = q.to(weight.dtype) * scale
+            quantized |= {key: q, f"{module}.weight_scale": scale}
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
     save_file(dequantized, dense / "model.safetensors", metadata={"format": "pt"})
-    scheme = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}
-    quantization = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-                    "config_groups": {"group_0": scheme}, "ignore": ignore}
+    weights, form = {
+        "int4": ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}, "pack-quantized"),
+        "fp8": ({"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}, "float-quantized"),
+    }[scheme]
+    quantization = {"quant_method": "compressed-tensors", "format": form, "quantization_status": "compressed",
+                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}, "ignore": ignore}
     config = json.loads((out / "config.json").read_text())
     (config["text_config"] if nested else config)["quantization_config"] = quantization
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tiny_models import KIMI_INT4_IGNORE, KIMI_INT4_WEIGHTS, int4_checkpoint, tiny_llama, with_repository_tokenizer
+from tiny_models import KIMI_INT4_IGNORE, KIMI_INT4_WEIGHTS, compressed_checkpoint, tiny_llama, with_repository_tokenizer
 from eagle3.config import VerifierConfig
 from eagle3.store import ArtifactError, ArtifactStore
 from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier, verifier_tokenizer
@@ -71,23 +71,25 @@ def test_a_nested_moe_checkpoint_loads_its_per_expert_tensors_into_the_decoders_
     torch.testing.assert_close(decoder.layers[0].mlp.up_proj.weight, checkpoint["language_model.model.layers.0.mlp.up_proj.weight"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("source", ["tiny_verifier", "tiny_kimi_verifier"])
-def test_an_int4_compressed_tensors_checkpoint_computes_with_its_dequantized_weights(source, request, tmp_path):
-    """llm-compressor's INT4 format on every Linear of a Llama, and on a Kimi-K2.5's routed experts
-    with the config nested as Kimi's is (its vision tower, never run on text, left unquantized)."""
+@pytest.mark.parametrize("source, scheme", [("tiny_verifier", "int4"), ("tiny_verifier", "fp8"), ("tiny_kimi_verifier", "int4")])
+def test_a_compressed_tensors_checkpoint_computes_with_its_dequantized_weights(source, scheme, request, tmp_path):
+    """llm-compressor's INT4 and FP8 formats on every Linear of a Llama, and INT4 on a Kimi-K2.5's
+    routed experts with the config nested as Kimi's is (its vision tower, never run on text, left
+    unquantized)."""
     nested = source == "tiny_kimi_verifier"
     source = request.getfixturevalue(source)
-    int4, dequantized = int4_checkpoint(source, tmp_path / "int4", KIMI_INT4_WEIGHTS if nested else r"_proj\.weight$",
-                                        KIMI_INT4_IGNORE if nested else ["lm_head"], nested=nested)
+    quantized, dequantized = compressed_checkpoint(
+        source, tmp_path / scheme, KIMI_INT4_WEIGHTS if nested else r"_proj\.weight$", KIMI_INT4_IGNORE if nested else ["lm_head"],
+        scheme, nested)
     ids = torch.tensor([[5, 9, 33, 7, 2, 3]])
 
     with torch.no_grad():
         got, want, unquantized = (  # the decoder alone, as extraction runs it
-            load_text_model(path, torch.float32, "cpu").get_decoder()(ids).last_hidden_state for path in (int4, dequantized, source))
-    in_bf16 = load_text_model(int4, torch.bfloat16, "cpu")
+            load_text_model(path, torch.float32, "cpu").get_decoder()(ids).last_hidden_state for path in (quantized, dequantized, source))
+    in_bf16 = load_text_model(quantized, torch.bfloat16, "cpu")
 
     torch.testing.assert_close(got, want)
-    assert (got - unquantized).abs().max() > 1e-3  # the INT4 weights, not the source's
+    assert (got - unquantized).abs().max() > 1e-3  # the quantized weights, not the source's
     assert {p.dtype for p in in_bf16.parameters() if p.is_floating_point()} == {torch.bfloat16}
 
 

@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from eagle3.config import ConfigError, VerifierConfig
 from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, code_version
@@ -38,6 +39,8 @@ __all__ = [
 ]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# compressed-tensors' names for a quantized weight's parts (INT4 packed values, INT4/FP8 scales)
+QUANTIZED_EMBEDDING_OR_HEAD = re.compile(r"(^|\.)(lm_head|embed_tokens)\.weight_(packed|scale)$")
 
 
 class VerifierManifest(ArtifactManifest):
@@ -97,8 +100,15 @@ def _check_hf_dir(path: Path, trust_remote_code: bool = False) -> None:
             "(tokenizer.save_pretrained(dir)), or, for a tokenizer only its repository's code reads, set "
             "verifier.trust_remote_code=true.",
         )
-    if not list(path.glob("*.safetensors")):
+    if not (shards := sorted(path.glob("*.safetensors"))):
         raise ArtifactError(path, "no *.safetensors weights found")
+    for shard in shards:
+        with safe_open(shard, "pt") as weights:
+            if quantized := [key for key in weights.keys() if QUANTIZED_EMBEDDING_OR_HEAD.search(key)]:
+                raise ArtifactError(
+                    shard, f"tensor '{quantized[0]}': the verifier's token embeddings or head are quantized. Training "
+                    "takes them from the checkpoint as stored (speculators reads them by name), so they must be kept "
+                    "unquantized (llm-compressor leaves lm_head out unless told otherwise).")
     if load_tokenizer(path, trust_remote_code).chat_template is None:
         raise ArtifactError(
             path, "the tokenizer has no chat template: conversations are tokenized, regenerated and evaluated "
@@ -212,7 +222,7 @@ def _quantization_loading(auto, config) -> dict:
     given its quantization_config where transformers reads it, at the top (Kimi-K2.5 nests it in
     `text_config`). compressed-tensors weights are dequantized once at load, so every forward (CUDA
     graphs, the decoder run alone) sees plain weights; of a nested checkpoint only the text
-    decoder's, the one part that runs."""
+    decoder's and head's, the parts that run."""
     from transformers import CompressedTensorsConfig
 
     quantization = getattr(config, "quantization_config", None) or getattr(text_config(config), "quantization_config", None)
@@ -222,9 +232,22 @@ def _quantization_loading(auto, config) -> dict:
     if quantization.get("quant_method") != "compressed-tensors":
         return {}
     if text_config(config) is not config:
-        outside = rf"re:^(?!{re.escape(_decoder_name(auto, config))}\.)"
-        config.quantization_config = {**quantization, "ignore": [*quantization.get("ignore", []), outside]}
+        outside = rf"re:^(?!{re.escape(_decoder_name(auto, config))}\.|lm_head$)"
+        config.quantization_config = {**quantization, "ignore": [*(quantization.get("ignore") or []), outside]}
     return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
+
+def _cast_dequantized(model, dtype: torch.dtype) -> None:
+    """Give the floating parameters `dtype`, as a plain load does: transformers loads a quantized
+    checkpoint's deserialized tensors in their own dtype, so dequantized weights come out in their
+    scales'. Buffers (rotary frequencies, routers' score biases) and the modules the model keeps in
+    float32 (`_keep_in_fp32_modules*`, matched as transformers matches them) stay as loaded."""
+    kept = set(model._keep_in_fp32_modules_strict or ()) if dtype in (torch.float16, torch.bfloat16) else set()
+    kept |= set(model._keep_in_fp32_modules or ()) if dtype == torch.float16 else set()
+    in_float32 = re.compile("|".join(name.replace("*", ".*") for name in kept)) if kept else None
+    for name, param in model.named_parameters():
+        if param.dtype in (torch.float32, torch.float16, torch.bfloat16) and not (in_float32 and in_float32.search(name)):
+            param.data = param.data.to(dtype)
 
 
 def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
@@ -248,8 +271,8 @@ def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
     auto = AutoModelForCausalLM if text_config(config) is config else AutoModelForImageTextToText
     if type(config) not in auto._model_mapping:
         raise ArtifactError(path, f"field 'model_type' is '{config.model_type}': transformers has no {auto.__name__} for it")
-    loading = _quantization_loading(auto, config)
     try:
+        loading = _quantization_loading(auto, config)
         with warnings.catch_warnings():  # that the checkpoint's quantization_config is kept, `dequantize` set
             warnings.filterwarnings("ignore", message="You passed `quantization_config`")
             model, info = auto.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True, **loading)
@@ -264,5 +287,6 @@ def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
         raise ArtifactError(
             path, f"weights {missing[:5]}{' ...' if len(missing) > 5 else ''} of {type(model).__name__} are not in the "
             "checkpoint: it is not a checkpoint of its config.json")
-    # Dequantized weights take their scales' dtype (transformers' expert path keeps float32 ones).
-    return model.to(device, **({"dtype": dtype} if loading else {})).eval()
+    if loading:
+        _cast_dequantized(model, dtype)
+    return model.to(device).eval()

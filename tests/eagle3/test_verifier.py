@@ -71,26 +71,45 @@ def test_a_nested_moe_checkpoint_loads_its_per_expert_tensors_into_the_decoders_
     torch.testing.assert_close(decoder.layers[0].mlp.up_proj.weight, checkpoint["language_model.model.layers.0.mlp.up_proj.weight"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("source, scheme", [("tiny_verifier", "int4"), ("tiny_verifier", "fp8"), ("tiny_kimi_verifier", "int4")])
-def test_a_compressed_tensors_checkpoint_computes_with_its_dequantized_weights(source, scheme, request, tmp_path):
+KIMI_EXPERTS_AND_HEAD = rf"{KIMI_INT4_WEIGHTS}|lm_head\.weight$", [p for p in KIMI_INT4_IGNORE if "lm_head" not in p]
+
+
+@pytest.mark.parametrize("source, scheme, quantize, ignore", [
+    ("tiny_verifier", "int4", r"_proj\.weight$", ["lm_head"]),
+    ("tiny_verifier", "fp8", r"_proj\.weight$", ["lm_head"]),
+    ("tiny_kimi_verifier", "int4", KIMI_INT4_WEIGHTS, KIMI_INT4_IGNORE),
+    ("tiny_kimi_verifier", "int4", *KIMI_EXPERTS_AND_HEAD),
+], ids=["llama-int4", "llama-fp8", "kimi-int4-experts", "kimi-int4-experts-and-head"])
+def test_a_compressed_tensors_checkpoint_computes_with_its_dequantized_weights(source, scheme, quantize, ignore, request, tmp_path):
     """llm-compressor's INT4 and FP8 formats on every Linear of a Llama, and INT4 on a Kimi-K2.5's
-    routed experts with the config nested as Kimi's is (its vision tower, never run on text, left
-    unquantized)."""
+    routed experts (and head) with the config nested as Kimi's is (its vision tower, never run on
+    text, left unquantized)."""
     nested = source == "tiny_kimi_verifier"
     source = request.getfixturevalue(source)
-    quantized, dequantized = compressed_checkpoint(
-        source, tmp_path / scheme, KIMI_INT4_WEIGHTS if nested else r"_proj\.weight$", KIMI_INT4_IGNORE if nested else ["lm_head"],
-        scheme, nested)
+    quantized, dequantized = compressed_checkpoint(source, tmp_path / scheme, quantize, ignore, scheme, nested)
     ids = torch.tensor([[5, 9, 33, 7, 2, 3]])
 
+    def run(path, dtype):  # the decoder alone, as extraction runs it, then the head
+        model = load_text_model(path, dtype, "cpu")
+        hidden = model.get_decoder()(ids).last_hidden_state
+        return model, hidden, model.get_output_embeddings()(hidden)
+
     with torch.no_grad():
-        got, want, unquantized = (  # the decoder alone, as extraction runs it
-            load_text_model(path, torch.float32, "cpu").get_decoder()(ids).last_hidden_state for path in (quantized, dequantized, source))
-    in_bf16 = load_text_model(quantized, torch.bfloat16, "cpu")
+        (_, *got), (_, *want), (_, *unquantized) = (run(path, torch.float32) for path in (quantized, dequantized, source))
+    model, plain = (load_text_model(path, torch.bfloat16, "cpu") for path in (quantized, dequantized))
 
     torch.testing.assert_close(got, want)
-    assert (got - unquantized).abs().max() > 1e-3  # the quantized weights, not the source's
-    assert {p.dtype for p in in_bf16.parameters() if p.is_floating_point()} == {torch.bfloat16}
+    assert (got[0] - unquantized[0]).abs().max() > 1e-3  # the quantized weights, not the source's
+    # in bf16, each tensor a plain checkpoint has in the dtype it has there (rotary frequencies stay float32)
+    tensors = dict(plain.named_parameters()) | dict(plain.named_buffers())
+    assert {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()] if n in tensors} == {n: t.dtype for n, t in tensors.items()}
+
+
+def test_a_verifier_whose_head_is_quantized_is_refused_naming_the_tensor(tiny_verifier, tmp_path):
+    quantized, _ = compressed_checkpoint(tiny_verifier, tmp_path / "int4", r"(_proj|lm_head)\.weight$", [])
+
+    with pytest.raises(ArtifactError, match=r"int4/model\.safetensors: tensor 'lm_head\.weight_packed': .* head are quantized"):
+        resolve_verifier(VerifierConfig(path=str(quantized)), ArtifactStore(tmp_path / "s"))
 
 
 def test_a_quantization_whose_package_is_missing_is_named(tiny_verifier, tmp_path):

@@ -210,10 +210,8 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-def _decoder_name(auto, config) -> str:
-    """The text decoder's module name in the model `auto` builds for `config` (built on the meta device: no weights)."""
-    with torch.device("meta"):
-        model = auto.from_config(config)
+def _decoder_name(model) -> str:
+    """The text decoder's module name in `model` (`model.language_model` in a nested one)."""
     return next(name for name, module in model.named_modules() if module is model.get_decoder())
 
 
@@ -232,7 +230,9 @@ def _quantization_loading(auto, config) -> dict:
     if quantization.get("quant_method") != "compressed-tensors":
         return {}
     if text_config(config) is not config:
-        outside = rf"re:^(?!{re.escape(_decoder_name(auto, config))}\.|lm_head$)"
+        with torch.device("meta"):  # the model's layout, no weights
+            decoder = _decoder_name(auto.from_config(config))
+        outside = rf"re:^(?!{re.escape(decoder)}\.|lm_head$)"
         config.quantization_config = {**quantization, "ignore": [*(quantization.get("ignore") or []), outside]}
     return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
 
@@ -281,7 +281,7 @@ def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
             raise
         method = quantization.get("quant_method")  # whose package is missing
         raise ArtifactError(path / "config.json", f"field 'quantization_config' ({method}): {exc}") from exc
-    decoder = next(name for name, module in model.named_modules() if module is model.get_decoder())
+    decoder = _decoder_name(model)
     # A nested checkpoint may leave out its vision tower (never run on text); not the decoder or head.
     if missing := sorted(k for k in info["missing_keys"] if k.startswith((decoder + ".", "lm_head."))):
         raise ArtifactError(

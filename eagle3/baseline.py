@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch
 from jinja2 import TemplateError
 from tqdm import tqdm
 
-from eagle3 import prepare_dataset, speculative, tau, verifier as verifier_module, verifier_forward
+from eagle3 import verifier_forward
 from eagle3.config import EvalConfig
 from eagle3.done_log import DONE_LOG, append_done, read_done
 from eagle3.extract_hidden_states import HiddenStateCapture, resolve_device
@@ -45,7 +44,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-CODE_DEPENDENCIES = (speculative, verifier_forward, prepare_dataset, verifier_module, tau)
 REFERENCE = "reference.json"
 
 
@@ -71,7 +69,7 @@ def baseline_provenance(store: ArtifactStore, cfg: EvalConfig, verifier: Verifie
     """What the baselines depend on: the verifier, the prompts by content, the decoding settings and
     the device type, not the rest of `cfg` (the eval backend and its server measure the draft only)."""
     return step_provenance(
-        sys.modules[__name__], store, verifier=verifier, prompts=prompts, num_prompts=cfg.num_prompts,
+        "baseline", store, verifier=verifier, prompts=prompts, num_prompts=cfg.num_prompts,
         max_new_tokens=cfg.max_new_tokens, ks=cfg.ks, dtype=cfg.dtype, device_type=resolve_device(cfg.device).type,
     )
 

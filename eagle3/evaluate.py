@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-from eagle3 import baseline, draft_proposer, endpoint, served_acceptance, speculative, tau, verifier as verifier_module, verifier_forward
 from eagle3.baseline import BaselineManifest, DecodingModel, chat_prompts, decode_remaining, decode_summary, read_prompts
 from eagle3.config import EvalConfig
 from eagle3.done_log import DONE_LOG, read_done
@@ -45,15 +44,14 @@ from eagle3.isolation import NO_GPU, GpuClaim, in_process_device
 from eagle3.served_acceptance import measure_served_acceptance
 from eagle3.draft_proposer import Eagle3Proposer, draft_token_accuracy
 from eagle3.speculative import DecodeStats, speculative_decode
-from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
+from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, step_provenance
 from eagle3.tau import PER_PROMPT, Counts, gain_over, per_prompt_counts, read_counts
 from eagle3.verifier import VerifierManifest
+from eagle3.versions import route
 
-__all__ = ["DraftDecodes", "EvalManifest", "eval_prompts_source", "evaluate", "load_draft", "summarize_decodes"]
+__all__ = ["DraftDecodes", "EvalManifest", "eval_prompts_source", "evaluate", "evaluation_provenance", "load_draft", "summarize_decodes"]
 
 logger = logging.getLogger(__name__)
-# What else computes the numbers: a change to any of them re-measures.
-CODE_DEPENDENCIES = (speculative, draft_proposer, verifier_forward, served_acceptance, endpoint, baseline, tau, verifier_module)
 
 
 class EvalManifest(ArtifactManifest):
@@ -182,6 +180,17 @@ def _summarize(cfg: EvalConfig, entries: list[dict], references: list[list[int]]
         measured_on=entries[0]["measured_on"],
         gains_over_ngram=draft.gains_over_ngram,
         per_prompt={"eagle3": draft.counts, "ngram": ngram},
+    )
+
+
+def evaluation_provenance(
+    store: ArtifactStore, cfg: EvalConfig, checkpoint: ExportManifest, hidden_states: HiddenStatesManifest,
+    verifier: VerifierManifest, prompts: Path, baselines: BaselineManifest | None,
+) -> Provenance:
+    """The step's provenance: a server's counters are keyed by its served model name, not by local code."""
+    step = route("evaluation", cfg.backend, local="transformers")
+    return step_provenance(
+        step, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts, baselines=baselines
     )
 
 

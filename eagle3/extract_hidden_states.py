@@ -1,8 +1,8 @@
 """Extract hidden states: run the verifier over every prepared sample and keep what the draft reads.
 
 Samples are grouped `records_per_shard` to a shard, in dataset order. A shard is content-addressed:
-its key hashes the verifier digest, the aux layer ids, the code version of this module and of
-the backend's own (and, from a server, the served model name) and the token ids of its samples,
+its key hashes the verifier digest, the aux layer ids, the route's code version
+(`eagle3.versions`; from a server, the served model name too) and the token ids of its samples,
 and it lives in the store's `shards/<key>/` where any run can reuse it. So appending records to
 a dataset extracts only the new (and the last, now longer) shards, and a killed run resumes at
 the first unfinished shard. Shard files `hs_{j}.safetensors` (j: position in the shard) hold
@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -39,28 +38,30 @@ from safetensors import safe_open
 from safetensors.torch import save
 from tqdm import tqdm
 
-from eagle3 import served_extraction, verifier as verifier_module
+from eagle3 import served_extraction
 from eagle3.config import ConfigError, EndpointConfig, ExtractConfig
 from eagle3.isolation import NO_GPU, GpuClaim, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.store import (
-    ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_bytes, atomic_write_text, code_version, exclusive,
-    exclusive_if_free,
+    ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, atomic_write_bytes, atomic_write_text, exclusive, exclusive_if_free,
+    step_provenance,
 )
 from eagle3.verifier import VerifierManifest, compute_dtype, load_text_model
+from eagle3.versions import code_version, route
 
 __all__ = [
     "HiddenStateCapture",
     "HiddenStatesManifest",
     "extract_hidden_states",
+    "extraction_provenance",
     "hidden_state_files",
     "resolve_aux_layer_ids",
     "resolve_device",
+    "shard_key",
     "verify_shard",
 ]
 
 
-CODE_DEPENDENCIES = (verifier_module, served_extraction)  # loads the verifier, or asks a server, for the states
 
 # Test hook: raise the real torch.OutOfMemoryError for any prefill (or training, or regeneration)
 # batch above this many tokens, so the back-off paths run deterministically without a GPU.
@@ -280,18 +281,21 @@ def _extract_served_shard(source, writer, shard_dir, indices, input_ids, record_
     writer.drain()
 
 
-def _extracted_by(cfg: ExtractConfig) -> list[str]:
-    """What computes a shard's states, for its key: this module and the module of the backend that
-    computed them, so editing one backend's module leaves the other's shards cached (this module
-    counts for both). A server's kernels and dtype round differently from the step's: its served
-    model name stands for it."""
-    this = sys.modules[__name__]
-    if cfg.backend == "vllm":
-        return [code_version(this, dependencies=(served_extraction,)), "vllm", cfg.endpoint.model]
-    return [code_version(this, dependencies=(verifier_module,))]
+def code_step(cfg: ExtractConfig) -> str:
+    """The `eagle3.versions` entry of the route that computes the states."""
+    return route("hidden_states", cfg.backend, local="transformers")
 
 
-def _shard_key(verifier: VerifierManifest, aux: list[int], extracted_by: list[str], samples: list[list[int]]) -> str:
+def extraction_provenance(store: ArtifactStore, cfg: ExtractConfig, dataset: DatasetManifest, verifier: VerifierManifest) -> Provenance:
+    """The step's provenance, of the route that computes the states (as each shard's key is)."""
+    return step_provenance(code_step(cfg), store, cfg=cfg, dataset=dataset, verifier=verifier)
+
+
+def shard_key(cfg: ExtractConfig, verifier: VerifierManifest, aux: list[int], samples: list[list[int]]) -> str:
+    """A shard's key: the verifier, the aux layers, the route's code version (so a version bump of
+    one route leaves the other's shards cached; a server's kernels and dtype round differently from
+    the step's, so its served model name stands for it) and its samples' token ids."""
+    extracted_by = [code_version(code_step(cfg))] + ([cfg.endpoint.model] if cfg.backend == "vllm" else [])
     h = hashlib.sha256(json.dumps([verifier.digest, aux, *extracted_by]).encode())
     for token_ids in samples:
         h.update(json.dumps(token_ids).encode())
@@ -426,8 +430,7 @@ def extract_hidden_states(
     input_ids: list[list[int]] = load_dataset_table(dataset).column("input_ids").to_pylist()
     size = cfg.records_per_shard
     shards = [list(range(s, min(s + size, len(input_ids)))) for s in range(0, len(input_ids), size)]
-    extracted_by = _extracted_by(cfg)
-    keys = [_shard_key(verifier, aux, extracted_by, [input_ids[i] for i in shard]) for shard in shards]
+    keys = [shard_key(cfg, verifier, aux, [input_ids[i] for i in shard]) for shard in shards]
     shard_root = store.root / "shards"
     shard_root.mkdir(exist_ok=True)
 

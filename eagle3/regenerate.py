@@ -44,20 +44,19 @@ from jinja2 import TemplateError
 from pydantic import Field
 from tqdm import tqdm
 
-from eagle3 import endpoint, prepare_dataset, verifier as verifier_module
 from eagle3.config import RegenerateConfig
 from eagle3.done_log import DONE_LOG, append_done, read_done
 from eagle3.endpoint import EndpointError, RequestRejected, chat, open_client
 from eagle3.extract_hidden_states import FAULT_OOM_ENV, resolve_device
 from eagle3.isolation import NO_GPU, GpuClaim, free_device_memory, gpu_memory_used_mib, halve_after_oom, run_attempt
 from eagle3.prepare_dataset import Record, read_user_turns
-from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
+from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, step_provenance
 from eagle3.verifier import VerifierManifest, chat_prompt_ids, compute_dtype, eos_token_ids, load_text_model, verifier_tokenizer
+from eagle3.versions import route
 
-__all__ = ["RegeneratedManifest", "regenerate", "regenerated_conversations"]
+__all__ = ["RegeneratedManifest", "regenerate", "regenerate_provenance", "regenerated_conversations"]
 
 logger = logging.getLogger(__name__)
-CODE_DEPENDENCIES = (endpoint, prepare_dataset, verifier_module)  # request, read records, load the verifier
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
@@ -237,6 +236,12 @@ def _regenerate_by_server(todo: list[Record], cfg: RegenerateConfig, done_log: P
                 records_done(1)
         except EndpointError as exc:
             raise EndpointError(f"{exc} Finished records are kept in {done_log}: a re-run resumes there.") from exc
+
+
+def regenerate_provenance(store: ArtifactStore, cfg: RegenerateConfig, source: Path, verifier: VerifierManifest) -> Provenance:
+    """The step's provenance: a server's answers are keyed by its served model name, not by local code."""
+    step = route("regenerated", cfg.backend, local="transformers")
+    return step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
 
 
 def regenerate(

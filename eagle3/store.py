@@ -34,6 +34,8 @@ from typing import IO, Any, TypeVar
 
 from pydantic import BaseModel, Field
 
+from eagle3.versions import code_version
+
 __all__ = [
     "ArtifactError",
     "ArtifactManifest",
@@ -42,12 +44,12 @@ __all__ = [
     "Provenance",
     "Stopwatch",
     "atomic_write_bytes",
-    "code_version",
     "atomic_write_text",
     "digest_file",
     "digest_tree",
     "exclusive",
     "exclusive_if_free",
+    "manifest_types",
     "step_provenance",
 ]
 
@@ -104,6 +106,17 @@ class ArtifactManifest(Provenance):
     num_bytes: int = 0
     seconds: float = 0.0
     producer: Producer | None = Field(None, description="who published it; None when published outside a flow run")
+
+
+def manifest_types() -> dict[str, type[ArtifactManifest]]:
+    """Every manifest class of the imported steps, by the `kind` of artifact it describes."""
+    found: dict[str, type[ArtifactManifest]] = {}
+    todo = list(ArtifactManifest.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        found[cls.model_fields["kind"].default] = cls
+        todo.extend(cls.__subclasses__())
+    return found
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -338,9 +351,10 @@ class ArtifactStore:
         return manifest_type.model_validate_json(path.read_text())
 
 
-def step_provenance(module, store: "ArtifactStore", **inputs: Any) -> Provenance:
-    """A step's provenance from its inputs: manifests count by digest, files and directories by
-    streamed content digest, config groups by their output-affecting fields, anything else as is."""
+def step_provenance(step: str, store: "ArtifactStore", **inputs: Any) -> Provenance:
+    """The provenance of `step` (an `eagle3.versions.STEPS` entry) from its inputs: manifests count
+    by digest, files and directories by streamed content digest, config groups by their
+    output-affecting fields, anything else as is."""
     from eagle3.config import output_affecting
 
     parents: dict[str, str] = {}
@@ -354,20 +368,7 @@ def step_provenance(module, store: "ArtifactStore", **inputs: Any) -> Provenance
             config[name] = output_affecting(value)
         else:
             config[name] = value
-    return Provenance(parents=parents, config=config, code_version=code_version(module))
-
-
-def code_version(module, dependencies: tuple | None = None) -> str:
-    """Digest of a step's source (with the modules it names in `CODE_DEPENDENCIES`, or
-    `dependencies`) and the libraries that compute it: a code change re-runs the step."""
-    from importlib.metadata import version
-
-    h = hashlib.sha256(Path(module.__file__).read_bytes())
-    for dependency in getattr(module, "CODE_DEPENDENCIES", ()) if dependencies is None else dependencies:
-        h.update(Path(dependency.__file__).read_bytes())
-    for package in ("torch", "transformers", "speculators"):
-        h.update(f"{package}=={version(package)}".encode())
-    return h.hexdigest()[:16]
+    return Provenance(parents=parents, config=config, code_version=code_version(step))
 
 
 class Stopwatch:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from eagle3 import train_timing, train_worker, trainer_compat, warm_start
+from eagle3 import train_timing
 from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest, hidden_state_files, resolve_device
 from eagle3.isolation import NO_GPU, GpuClaim, dying_with_parent, gpu_memory_used_mib, halve_after_oom
@@ -48,7 +48,6 @@ from eagle3.vocab_mapping import VocabManifest
 
 __all__ = ["DraftManifest", "previous_draft", "simulated_acceptance_length", "train_draft"]
 
-CODE_DEPENDENCIES = (train_timing, train_worker, trainer_compat, warm_start)
 
 
 class DraftManifest(ArtifactManifest):

@@ -15,7 +15,6 @@ import importlib.util
 import os
 import re
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -23,7 +22,8 @@ import torch
 from safetensors import safe_open
 
 from eagle3.config import ConfigError, VerifierConfig
-from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch, code_version
+from eagle3.store import ArtifactError, ArtifactManifest, ArtifactStore, Provenance, Stopwatch
+from eagle3.versions import code_version
 
 __all__ = [
     "VerifierManifest",
@@ -147,7 +147,7 @@ def resolve_verifier(cfg: VerifierConfig, store: ArtifactStore) -> VerifierManif
         raise ArtifactError(source, "verifier.path does not exist")
     source_digest = store.input_digest(source)
     provenance = Provenance(parents={"source": source_digest}, config={"source": str(source)},
-                            code_version=code_version(sys.modules[__name__]))
+                            code_version=code_version("verifier"))
     if source.suffix != ".gguf":
         _check_hf_dir(source, cfg.trust_remote_code)
         manifest = _manifest(source, source_digest, provenance)

@@ -3,22 +3,21 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from eagle3 import baseline as step
 from eagle3.config import EvalConfig
 from eagle3.verifier import VerifierManifest
-from tasks.cache import step_cache_policy
+from tasks.cache import step_task, task_provenance
 from tasks.gpu import claim_gpus
 from tasks.report import decode_rows, publish_step_report
 from tasks.store import run_store
 
 
-@task(name="measure-baselines", cache_policy=step_cache_policy(step, step.baseline_provenance), persist_result=True)
+@step_task("measure-baselines", step.baseline_provenance)
 def measure_baselines_task(store_dir: str, cfg: EvalConfig, verifier: VerifierManifest, prompts: Path) -> step.BaselineManifest:
     store = run_store(store_dir)
-    provenance = step.baseline_provenance(store, cfg, verifier, prompts)
+    provenance = task_provenance(measure_baselines_task, store, cfg=cfg, verifier=verifier, prompts=prompts)
     manifest = step.measure_baselines(cfg, verifier, prompts, store, provenance, claim=partial(claim_gpus, cfg.device))
     create_table_artifact(
         key="baselines",

@@ -1,36 +1,46 @@
 """The cache policy every step task uses: the step's provenance is its cache key.
 
 Prefect's built-in INPUTS policy hashes a Path by its string, so an edited file would still hit;
-here files count by content, manifests by digest, and config groups only by the fields that
-change the output (batch sizes and devices are left out).
+here files count by content, manifests by digest, config groups only by the fields that change the
+output (batch sizes and devices are left out), and code by the step's version in
+`eagle3.versions` (not by the bytes of any source file: moving or commenting code re-runs nothing).
+The provenance is computed once per task run, here; the task reads it back (`task_provenance`)
+and records it in its artifact, so Prefect's cache and the store agree.
 
 A cached result is a manifest that points into the store, and `eagle3 artifacts gc` may since have
 deleted what it points at. Such a result is never handed on: the key moves along a chain of
 rebuild keys past every stale result, so the step runs again and its new result is the one found
-from then on.
+from then on. Results are stored as manifest JSON and read back by artifact kind
+(`ManifestSerializer`), never unpickled.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import Any, Literal
+from uuid import UUID
 
-from prefect.cache_policies import TASK_SOURCE, CachePolicy
+from prefect import Task, task
+from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
+from prefect.serializers import Serializer
 from prefect.utilities.hashing import hash_objects
 
-from eagle3.store import ArtifactStore, Provenance, step_provenance
+from eagle3.store import ArtifactManifest, ArtifactStore, Provenance, manifest_types, step_provenance
 
-__all__ = ["StepCache", "step_cache_policy"]
+__all__ = ["ManifestSerializer", "StepCache", "step_cache_policy", "step_task", "task_provenance"]
+
+ProvenanceOf = Callable[..., Provenance]  # (store, **the task's inputs but store_dir)
+_computed: dict[UUID, Provenance] = {}  # task run id -> the provenance its key was computed from
 
 
 @dataclass
 class StepCache(CachePolicy):
-    step_module: ModuleType | None = None
-    provenance: Callable[..., Provenance] | None = None  # (store, **inputs); None: step_provenance of step_module
+    provenance: ProvenanceOf | None = None
 
     def compute_key(
         self,
@@ -39,25 +49,48 @@ class StepCache(CachePolicy):
         flow_parameters: dict[str, Any] | None,
         **kwargs: Any,
     ) -> str | None:
-        if not inputs or self.step_module is None:
+        if not inputs or self.provenance is None:
             return None
         inputs = dict(inputs)
         store = ArtifactStore(inputs.pop("store_dir"))
+        provenance = self.provenance(store, **inputs)
+        _computed[task_ctx.task_run.id] = provenance
         # The store is part of the key: a cached manifest points into the store that holds it.
-        provenance = self.provenance(store, **inputs) if self.provenance else step_provenance(self.step_module, store, **inputs)
-        key = hash_objects(
-            str(store.root),
-            provenance.key,
-            TASK_SOURCE.compute_key(task_ctx=task_ctx, inputs=inputs, flow_parameters=flow_parameters),
-        )
+        key = hash_objects(str(store.root), provenance.key)
         results = task_ctx.result_store
         while results.exists(key) and not Path(results.read(key).result.path).exists():
             key = hash_objects(key, "rebuilt after gc")
         return key
 
 
-def step_cache_policy(step_module: ModuleType, provenance: Callable[..., Provenance] | None = None) -> CachePolicy:
-    """Key = step provenance + the task wrapper's own source, past results whose artifact is gone.
-    `provenance(store, **inputs)`: the one the task itself records, where it is not `step_provenance`
-    of the task's inputs (the two must agree, or the two caches reuse different results)."""
-    return StepCache(step_module=step_module, provenance=provenance)
+def step_cache_policy(step: str | ProvenanceOf) -> StepCache:
+    """Key = the step's provenance, past results whose artifact is gone. `step`: its
+    `eagle3.versions` entry, or a function `(store, **inputs) -> Provenance` where the route or
+    something else beside the task's inputs shapes the key."""
+    return StepCache(provenance=partial(step_provenance, step) if isinstance(step, str) else step)
+
+
+def task_provenance(task: Task, store: ArtifactStore, **inputs: Any) -> Provenance:
+    """The provenance the cache policy computed for this task run; computed here only where the
+    policy could not (it raised: the step then raises the same error with its own message)."""
+    computed = _computed.pop(TaskRunContext.get().task_run.id, None)
+    return computed if computed is not None else task.cache_policy.provenance(store, **inputs)
+
+
+class ManifestSerializer(Serializer):
+    """A cached result as its manifest's JSON, read back by its `kind`: no pickle (a shared result
+    store is then no code-execution surface) and no module path (a moved class still reads)."""
+
+    type: Literal["eagle3-manifest"] = "eagle3-manifest"
+
+    def dumps(self, obj: ArtifactManifest) -> bytes:
+        return json.dumps({"kind": obj.kind, "manifest": obj.model_dump(mode="json")}).encode()
+
+    def loads(self, blob: bytes) -> ArtifactManifest:
+        record = json.loads(blob)
+        return manifest_types()[record["kind"]].model_validate(record["manifest"])
+
+
+def step_task(name: str, step: str | ProvenanceOf) -> Callable[[Callable], Task]:
+    """`@task` for a step: cached by its provenance, its manifest persisted as JSON."""
+    return task(name=name, cache_policy=step_cache_policy(step), persist_result=True, result_serializer=ManifestSerializer())

@@ -3,7 +3,6 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from eagle3 import evaluate as step
@@ -12,15 +11,14 @@ from eagle3.config import EvalConfig
 from eagle3.export import ExportManifest
 from eagle3.extract_hidden_states import HiddenStatesManifest
 from eagle3.figures import with_error
-from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest
-from tasks.cache import step_cache_policy
+from tasks.cache import step_task, task_provenance
 from tasks.gpu import claim_gpus
 from tasks.report import decode_rows, publish_step_report
 from tasks.store import run_store
 
 
-@task(name="evaluate", cache_policy=step_cache_policy(step), persist_result=True)
+@step_task("evaluate", step.evaluation_provenance)
 def evaluate_task(
     store_dir: str,
     cfg: EvalConfig,
@@ -32,8 +30,8 @@ def evaluate_task(
 ) -> step.EvalManifest:
     """`baselines`: of the same verifier, prompts and settings (None: backend 'vllm')."""
     store = run_store(store_dir)
-    provenance = step_provenance(
-        step, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts, baselines=baselines
+    provenance = task_provenance(
+        evaluate_task, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts, baselines=baselines
     )
     manifest = step.evaluate(
         cfg, checkpoint, hidden_states, verifier, prompts, store, provenance, baselines, claim=partial(claim_gpus, cfg.device)

@@ -2,25 +2,22 @@ from __future__ import annotations
 
 from functools import partial
 
-from prefect import task
-
 from eagle3 import extract_hidden_states as step
 from eagle3.config import ExtractConfig
 from eagle3.prepare_dataset import DatasetManifest
-from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest
-from tasks.cache import step_cache_policy
+from tasks.cache import step_task, task_provenance
 from tasks.gpu import claim_gpus
 from tasks.report import Progress, publish_step_report
 from tasks.store import run_store
 
 
-@task(name="extract-hidden-states", cache_policy=step_cache_policy(step), persist_result=True)
+@step_task("extract-hidden-states", step.extraction_provenance)
 def extract_hidden_states_task(
     store_dir: str, cfg: ExtractConfig, dataset: DatasetManifest, verifier: VerifierManifest
 ) -> step.HiddenStatesManifest:
     store = run_store(store_dir)
-    provenance = step_provenance(step, store, cfg=cfg, dataset=dataset, verifier=verifier)
+    provenance = task_provenance(extract_hidden_states_task, store, cfg=cfg, dataset=dataset, verifier=verifier)
     manifest = step.extract_hidden_states(
         cfg, dataset, verifier, store, provenance, on_progress=Progress("extract hidden states (tokens)"), claim=partial(claim_gpus, cfg.device)
     )

@@ -2,21 +2,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
-
 from eagle3 import prepare_dataset as step
 from eagle3.config import DatasetConfig
-from eagle3.store import step_provenance
 from eagle3.verifier import VerifierManifest, verifier_tokenizer
-from tasks.cache import step_cache_policy
+from tasks.cache import step_task, task_provenance
 from tasks.report import publish_step_report
 from tasks.store import run_store
 
 
-@task(name="prepare-dataset", cache_policy=step_cache_policy(step), persist_result=True)
+@step_task("prepare-dataset", "dataset")
 def prepare_dataset_task(store_dir: str, cfg: DatasetConfig, source: Path, verifier: VerifierManifest) -> step.DatasetManifest:
     store = run_store(store_dir)
-    provenance = step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
+    provenance = task_provenance(prepare_dataset_task, store, cfg=cfg, source=source, verifier=verifier)
     manifest = step.prepare_dataset(cfg, source, verifier_tokenizer(verifier), store, provenance)
     publish_step_report(
         manifest,

@@ -9,16 +9,16 @@ from eagle3 import train as step
 from eagle3.config import TrainConfig
 from eagle3.extract_hidden_states import HiddenStatesManifest
 from eagle3.prepare_dataset import DatasetManifest
-from eagle3.store import ArtifactStore, step_provenance
+from eagle3.store import ArtifactStore
 from eagle3.verifier import VerifierManifest
 from eagle3.vocab_mapping import VocabManifest
-from tasks.cache import step_cache_policy
+from tasks.cache import step_task, task_provenance
 from tasks.gpu import claim_gpus
 from tasks.report import Progress, publish_image, publish_step_report
 from tasks.store import run_store
 
 
-@task(name="train-draft", cache_policy=step_cache_policy(step), persist_result=True)
+@step_task("train-draft", "draft")
 def train_draft_task(
     store_dir: str,
     cfg: TrainConfig,
@@ -29,8 +29,8 @@ def train_draft_task(
     init: step.DraftManifest | None = None,
 ) -> step.DraftManifest:
     store = run_store(store_dir)
-    provenance = step_provenance(
-        step, store, cfg=cfg, dataset=dataset, hidden_states=hidden_states, vocab=vocab, verifier=verifier, init=init
+    provenance = task_provenance(
+        train_draft_task, store, cfg=cfg, dataset=dataset, hidden_states=hidden_states, vocab=vocab, verifier=verifier, init=init
     )
     manifest = step.train_draft(
         cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)"),

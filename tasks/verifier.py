@@ -2,16 +2,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
-
 from eagle3 import verifier as step
 from eagle3.config import VerifierConfig
-from tasks.cache import step_cache_policy
+from tasks.cache import step_task
 from tasks.report import publish_step_report
 from tasks.store import run_store
 
 
-@task(name="resolve-verifier", cache_policy=step_cache_policy(step), persist_result=True)
+@step_task("resolve-verifier", "verifier")
 def resolve_verifier_task(store_dir: str, cfg: VerifierConfig, source: Path) -> step.VerifierManifest:
     manifest = step.resolve_verifier(cfg, run_store(store_dir))
     publish_step_report(manifest, manifest.model_dump(include={"num_hidden_layers", "hidden_size", "vocab_size", "nested"}))

@@ -15,7 +15,7 @@ from tiny_models import CHATML, tiny_llama
 from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
 from eagle3 import baseline, evaluate as evaluate_module
 from eagle3.baseline import DecodingModel, chat_prompts, measure_baselines, read_prompts
-from eagle3.evaluate import EvalManifest, eval_prompts_source, evaluate, load_draft
+from eagle3.evaluate import EvalManifest, eval_prompts_source, evaluate, evaluation_provenance, load_draft
 from eagle3.done_log import DONE_LOG
 from eagle3.endpoint import EndpointError
 from eagle3.export import export_checkpoint
@@ -298,19 +298,20 @@ def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported,
     assert 0.0 <= manifest.draft_token_accuracy <= manifest.draft_vocab_coverage <= 1.0  # never right outside its vocabulary
 
 
-def test_a_change_to_the_draft_proposer_reevaluates_drafts_and_keeps_the_baselines(tmp_path, monkeypatch):
-    """The baselines (greedy and n-gram decoding) are keyed by the code that computes them, which
-    does not include the EAGLE-3 proposer: editing it re-runs evaluation only."""
-    from eagle3 import draft_proposer
-    from eagle3.store import code_version
+def test_bumping_the_evaluation_version_reevaluates_drafts_and_keeps_the_baselines(exported, two_prompts, monkeypatch):
+    """A change to how drafts are decoded bumps `evaluation` in eagle3.versions: the baselines (greedy
+    and n-gram decoding) have a version of their own, so they stay cached."""
+    from eagle3 import versions
 
-    before = code_version(baseline), code_version(evaluate_module)
-    edited = tmp_path / "draft_proposer.py"
-    edited.write_text(Path(draft_proposer.__file__).read_text() + "\n# edited\n")
-    monkeypatch.setattr(draft_proposer, "__file__", str(edited))
+    store, verifier, hidden, checkpoint = exported
+    cfg, prompts, baselines = two_prompts
+    before = (baseline.baseline_provenance(store, cfg, verifier, prompts).key,
+              evaluation_provenance(store, cfg, checkpoint, hidden, verifier, prompts, baselines).key)
+    bumped = versions.StepCode(versions.STEPS["evaluation"].version + 1, versions.STEPS["evaluation"].libraries)
+    monkeypatch.setitem(versions.STEPS, "evaluation", bumped)
 
-    assert code_version(baseline) == before[0]
-    assert code_version(evaluate_module) != before[1]
+    assert baseline.baseline_provenance(store, cfg, verifier, prompts).key == before[0]
+    assert evaluation_provenance(store, cfg, checkpoint, hidden, verifier, prompts, baselines).key != before[1]
 
 
 def test_a_draft_output_that_differs_from_the_baselines_greedy_output_is_a_mismatch(exported, two_prompts, tmp_path):

@@ -305,23 +305,21 @@ def test_appending_records_extracts_only_the_new_shards(tiny_verifier, tmp_path)
     assert sorted(hidden_state_files(grown)) == list(range(36))
 
 
-@pytest.mark.parametrize(("edited", "changes"), [("served_extraction", {"vllm"}), ("verifier", {"transformers"}), ("endpoint", set())])
-def test_editing_one_backends_code_keeps_the_other_backends_shards(edited, changes, tmp_path, monkeypatch):
-    """Shards are keyed by the code that computed them: the vLLM client's code is not in the key
-    of shards the step computed itself, nor the verifier loader's in a server's, nor the request
-    plumbing that regeneration shares (`endpoint.py`) in either."""
-    import importlib
-
+@pytest.mark.parametrize(("bumped", "changes"), [("hidden_states/vllm", {"vllm"}), ("hidden_states", {"transformers"}), ("dataset", set())])
+def test_bumping_one_routes_version_keeps_the_other_routes_shards(bumped, changes, monkeypatch):
+    """Shards are keyed by the version of the route that computed them: a new version of the
+    server route does not re-extract the step's own shards, nor the reverse, and other steps'
+    versions touch neither."""
+    from eagle3 import versions
     from eagle3.config import EndpointConfig
-    from eagle3.extract_hidden_states import _extracted_by
+    from eagle3.extract_hidden_states import shard_key
+    from eagle3.store import ArtifactManifest
 
+    verifier = ArtifactManifest(kind="verifier", digest="0" * 64, path=Path("."))
     backends = {"transformers": ExtractConfig(), "vllm": ExtractConfig(backend="vllm", endpoint=EndpointConfig(model="m"))}
-    before = {name: _extracted_by(cfg) for name, cfg in backends.items()}
-    module = importlib.import_module(f"eagle3.{edited}")
-    copy = tmp_path / f"{edited}.py"
-    copy.write_text(Path(module.__file__).read_text() + "\n# edited\n")
-    monkeypatch.setattr(module, "__file__", str(copy))
+    before = {name: shard_key(cfg, verifier, [1, 2, 3], [[5, 6, 7]]) for name, cfg in backends.items()}
+    monkeypatch.setitem(versions.STEPS, bumped, versions.StepCode(versions.STEPS[bumped].version + 1, versions.STEPS[bumped].libraries))
 
-    after = {name: _extracted_by(cfg) for name, cfg in backends.items()}
+    after = {name: shard_key(cfg, verifier, [1, 2, 3], [[5, 6, 7]]) for name, cfg in backends.items()}
 
     assert {name for name in backends if after[name] != before[name]} == changes

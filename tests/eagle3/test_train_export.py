@@ -13,7 +13,6 @@ import speculators.train.trainer as trainer_module
 import torch
 
 from conftest import CLAIM_WAIT_S, run_while_another_run_holds_the_step
-from eagle3 import train as train_module
 from eagle3 import trainer_compat
 from eagle3.baseline import measure_baselines
 from eagle3.config import (
@@ -55,7 +54,7 @@ def draft(inputs):
 def _as_the_task_keys_it(store, cfg, inputs, init=None) -> Provenance:
     """The provenance the training task gives the step (what `previous_draft` reads back)."""
     _, verifier, dataset, hidden, vocab = inputs
-    return step_provenance(train_module, store, cfg=cfg, dataset=dataset, hidden_states=hidden, vocab=vocab, verifier=verifier, init=init)
+    return step_provenance("draft", store, cfg=cfg, dataset=dataset, hidden_states=hidden, vocab=vocab, verifier=verifier, init=init)
 
 
 def test_simulated_acceptance_length_is_one_plus_sum_of_chain_products():

@@ -5,7 +5,7 @@
 
 The verifier (SmolLM2-135M-Instruct unless `--verifier`) decodes the same chat-templated prompts
 (the package's sample eval prompts unless `--prompts`) plainly greedy and with n-gram drafts at
-k = 3, the baselines' work, through each forward of `eagle3.verifier_forward`: `dynamic`
+k = 3, the baselines' work, through each forward of `eagle3.verifier.forward`: `dynamic`
 (transformers' DynamicCache, every pass eager: what evaluation runs on a CPU), `static` (fixed
 buffers and masks, eager) and, on CUDA, `graphs` (fixed buffers, each pass after the prompt
 replayed as a CUDA graph: what evaluation runs on a GPU). Each forward first decodes one prompt untimed (warm-up, graph
@@ -26,13 +26,13 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.baseline import DecodingModel, chat_prompts, device_name, read_prompts  # noqa: E402
-from eagle3.config import EvalConfig, VerifierConfig  # noqa: E402
-from eagle3.evaluate import eval_prompts_source  # noqa: E402
-from eagle3.speculative import NgramProposer, greedy_decode, speculative_decode  # noqa: E402
-from eagle3.store import ArtifactStore  # noqa: E402
-from eagle3.verifier import resolve_verifier  # noqa: E402
-from eagle3.verifier_forward import DynamicForward, StaticForward  # noqa: E402
+from eagle3.config import EvalConfig, VerifierConfig
+from eagle3.evaluation.baseline import DecodingModel, chat_prompts, device_name, read_prompts
+from eagle3.evaluation.evaluate import eval_prompts_source
+from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculative_decode
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.verifier.forward import DynamicForward, StaticForward
+from eagle3.verifier.resolve_verifier import resolve_verifier
 
 
 def forwards(on: DecodingModel, max_len: int) -> dict:
@@ -88,7 +88,7 @@ def main() -> None:
         row["speedup"] = reference["seconds"] / row["seconds"]
         row["outputs_equal"] = row["outputs"] == reference["outputs"]
         print(f"{name:<8} {row['greedy_tokens_per_s']:>13.1f} {row['ngram_tokens_per_s']:>13.1f} {row['verifier_passes_per_s']:>9.1f} "
-              f"{row['speedup']:>10.2f} {str(row['outputs_equal']):>18}")
+              f"{row['speedup']:>10.2f} {row['outputs_equal']!s:>18}")
     summary = {
         "device": device_name(on.device), "prompts": str(source), "num_prompts": len(timed), "max_new_tokens": args.max_new_tokens,
         "k": args.k, "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers.__version__,

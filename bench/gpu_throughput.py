@@ -6,7 +6,7 @@
 Measures, on the same random-weight verifier and the same packed data:
 - `compute`: forward passes with the hidden-state hooks only (tokens/s, model FLOPs utilisation
   = 2 x params x tokens / time / measured bf16 matmul peak);
-- `pipeline`: `eagle3.extract_hidden_states` end to end (device-to-host copy, safetensors
+- `pipeline`: `eagle3.extraction.extract_hidden_states` end to end (device-to-host copy, safetensors
   writes, verification), minus the verifier load time measured separately;
 - per batch: compute, device-to-host copy and file-write seconds, to show where time goes;
 - `naive`: one sample per forward with `output_hidden_states`, copied and written synchronously;
@@ -34,11 +34,14 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.config import ExtractConfig  # noqa: E402
-from eagle3.extract_hidden_states import HiddenStateCapture, _batches, extract_hidden_states  # noqa: E402
-from eagle3.prepare_dataset import DatasetManifest  # noqa: E402
-from eagle3.store import ArtifactStore, Provenance  # noqa: E402
-from eagle3.verifier import VerifierManifest, load_text_model  # noqa: E402
+from eagle3.config import ExtractConfig
+from eagle3.data.prepare_dataset import DatasetManifest
+from eagle3.extraction.extract_hidden_states import _batches, extract_hidden_states
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.manifests import Provenance
+from eagle3.verifier.capture import HiddenStateCapture
+from eagle3.verifier.loading import load_text_model
+from eagle3.verifier.resolve_verifier import VerifierManifest
 
 
 def _sync_time() -> float:

@@ -27,8 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.cli import ensure_gpu_limit, exit_cleanly_on_sigterm, set_prefect_defaults  # noqa: E402
-from eagle3.config import ConfigError, PipelineConfig, load_config  # noqa: E402
+from eagle3.config import ConfigError, PipelineConfig, load_config
+from tasks.gpu import ensure_gpu_limit
+from tasks.settings import exit_cleanly_on_sigterm, set_prefect_defaults
 
 SIZES = {
     "small": {
@@ -120,10 +121,12 @@ def verifier_prompts(cfg: PipelineConfig, store: Path, count: int, data: Path, b
     per verifier and count."""
     import torch
 
-    from eagle3.baseline import read_prompts
-    from eagle3.extract_hidden_states import resolve_device
-    from eagle3.store import ArtifactStore, atomic_write_text
-    from eagle3.verifier import eos_token_ids, load_text_model, load_tokenizer, resolve_verifier, verifier_source
+    from eagle3.evaluation.baseline import read_prompts
+    from eagle3.runtime.devices import resolve_device
+    from eagle3.store.artifacts import ArtifactStore
+    from eagle3.store.files import atomic_write_text
+    from eagle3.verifier.loading import eos_token_ids, load_text_model, load_tokenizer
+    from eagle3.verifier.resolve_verifier import resolve_verifier, verifier_source
 
     artifacts = ArtifactStore(store)
     verifier_digest = artifacts.input_digest(verifier_source(cfg.verifier))
@@ -172,8 +175,9 @@ def with_eval_prompts(cfg: PipelineConfig, prompts: Path) -> PipelineConfig:
 def _recorded_runs(store: Path) -> dict[str, dict[str, dict]]:
     """Prompt-file digest -> kind -> manifest of every artifact of the latest recorded run that
     evaluated those prompts (a flow run is recorded when it finishes)."""
-    from eagle3.runs import run_records
-    from eagle3.store import MANIFEST, ArtifactStore
+    from eagle3.store.artifacts import ArtifactStore
+    from eagle3.store.manifests import MANIFEST
+    from eagle3.store.runs import run_records
 
     artifacts, runs = ArtifactStore(store), {}
     for record in run_records(artifacts):  # oldest first: the latest run on the same prompts wins
@@ -210,9 +214,9 @@ def eval_row(evaluation: dict, baseline: dict | None) -> dict:
 def by_category(evaluation: dict, prompts: Path, store: Path, k: int = 3) -> dict | None:
     """Per `category` of the prompts (MT-bench's eight): see `category_rows`. None where the
     prompts have no category or the evaluation kept no per-prompt counts."""
-    from eagle3.prepare_dataset import read_records
-    from eagle3.store import ArtifactStore
-    from eagle3.tau import read_counts
+    from eagle3.data.prepare_dataset import read_records
+    from eagle3.evaluation.tau import read_counts
+    from eagle3.store.artifacts import ArtifactStore
 
     artifact = ArtifactStore(store).artifact_dir(evaluation["digest"])  # not the manifest's path: stores get copied
     draft, ngram = read_counts(artifact, "eagle3", k), read_counts(artifact, "ngram", k)
@@ -226,7 +230,7 @@ def category_rows(draft: list, ngram: list, categories: list[str], k: int) -> di
     """Per category, in order of first appearance: tau of the draft and of n-gram at k, and the
     draft's gain with its standard error paired over the category's prompts. `draft`, `ngram`:
     each prompt's (tokens, passes); `categories`: each prompt's."""
-    from eagle3.tau import gain_over, tau_from_counts
+    from eagle3.evaluation.tau import gain_over, tau_from_counts
 
     rows = {}
     for category in dict.fromkeys(categories):
@@ -310,7 +314,7 @@ def main() -> None:
 
     set_prefect_defaults()
     exit_cleanly_on_sigterm()
-    from eagle3.store import digest_file
+    from eagle3.store.files import digest_file
     from flows.train_draft import train_eagle3_draft
 
     store, data = args.store.resolve(), args.data.resolve()

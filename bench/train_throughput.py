@@ -7,10 +7,10 @@ Both sides train the same EAGLE-3 draft (1 layer, draft vocab 32000, 3 TTT steps
 fused loss, 8192-token batches) on the same hidden states, extracted once by the pipeline from a
 random-weight verifier of Llama-3.1-8B width (H 4096, vocab 128256; its depth does not change the
 draft's cost):
-- `pipeline`: `eagle3.train.train_draft` as the flow runs it: data directory, `torchrun` worker,
+- `pipeline`: `eagle3.training.train.train_draft` as the flow runs it: data directory, `torchrun` worker,
   metrics log, progress, export of the last checkpoint, curves;
 - `direct`: `speculators.train.cli.main` under `torchrun` with the same speculators settings
-  (`eagle3.train_worker.speculators_train_config`) and the same vocab mapping files, plus the one fix
+  (`eagle3.training.train_worker.speculators_train_config`) and the same vocab mapping files, plus the one fix
   torch 2.11 needs (`trainer_compat.trainer_class`).
 Per-GPU tokens/s is the median of speculators' own step timer on each side; wall seconds run from
 launch to exit (the pipeline runs first, so any compile cache on disk favours `direct`); peak GPU
@@ -38,17 +38,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3 import trainer_compat  # noqa: E402
-from eagle3.config import ExtractConfig, TrainConfig, VocabConfig  # noqa: E402
-from eagle3.extract_hidden_states import extract_hidden_states  # noqa: E402
-from eagle3.isolation import fixed_devices  # noqa: E402
-from eagle3.prepare_dataset import DatasetManifest  # noqa: E402
-from eagle3.store import ArtifactStore, Provenance  # noqa: E402
-from eagle3.train import _speculators_data_dir, train_draft  # noqa: E402
-from eagle3.train_timing import median_tokens_per_s, time_breakdown  # noqa: E402
-from eagle3.train_worker import TrainSpec, _collect_metrics, speculators_train_config  # noqa: E402
-from eagle3.verifier import VerifierManifest  # noqa: E402
-from eagle3.vocab_mapping import build_vocab_mapping, load_vocab_mapping  # noqa: E402
+from eagle3.config import ExtractConfig, TrainConfig, VocabConfig
+from eagle3.data.prepare_dataset import DatasetManifest
+from eagle3.extraction.extract_hidden_states import extract_hidden_states
+from eagle3.runtime.attempts import fixed_devices
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.manifests import Provenance
+from eagle3.training import trainer_compat
+from eagle3.training.train import _speculators_data_dir, train_draft
+from eagle3.training.train_timing import median_tokens_per_s, time_breakdown
+from eagle3.training.train_worker import TrainSpec, _collect_metrics, speculators_train_config
+from eagle3.training.vocab_mapping import build_vocab_mapping, load_vocab_mapping
+from eagle3.verifier.resolve_verifier import VerifierManifest
 
 VOCAB = 128256
 

@@ -22,13 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quality import category_rows, markdown_table, print_categories  # noqa: E402
+from quality import category_rows, markdown_table, print_categories
 
-from eagle3.baseline import REFERENCE  # noqa: E402
-from eagle3.done_log import parse_done  # noqa: E402
-from eagle3.evaluate import summarize_decodes  # noqa: E402
-from eagle3.prepare_dataset import read_records  # noqa: E402
-from eagle3.tau import read_counts, tau_from_counts, tau_standard_error  # noqa: E402
+from eagle3.data.prepare_dataset import read_records
+from eagle3.evaluation.baseline import REFERENCE
+from eagle3.evaluation.evaluate import summarize_decodes
+from eagle3.evaluation.tau import read_counts, tau_from_counts, tau_standard_error
+from eagle3.store.done_log import parse_done
 
 
 def _rounded(x: float | None) -> float | None:

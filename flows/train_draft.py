@@ -9,15 +9,15 @@ from prefect import flow
 from pydantic import BaseModel
 
 from eagle3.config import PipelineConfig
-from eagle3.evaluate import EvalManifest, eval_prompts_source
-from eagle3.export import ExportManifest
-from eagle3.gc import store_in_use
-from eagle3.lineage import RunLineage
-from eagle3.prepare_dataset import dataset_source
-from eagle3.promotion import PromotionRecord
-from eagle3.regenerate import regenerated_conversations
-from eagle3.store import ArtifactStore
-from eagle3.verifier import verifier_source
+from eagle3.data.prepare_dataset import dataset_source
+from eagle3.data.regenerate import regenerated_conversations
+from eagle3.evaluation.evaluate import EvalManifest, eval_prompts_source
+from eagle3.serving.export import ExportManifest
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.gc import store_in_use
+from eagle3.store.lineage import RunLineage
+from eagle3.store.promotions import PromotionRecord
+from eagle3.verifier.resolve_verifier import verifier_source
 from tasks.baseline import measure_baselines_task
 from tasks.evaluate import evaluate_task
 from tasks.export import export_checkpoint_task

@@ -5,9 +5,9 @@ from pathlib import Path
 
 from prefect.artifacts import create_table_artifact
 
-from eagle3 import baseline as step
 from eagle3.config import EvalConfig
-from eagle3.verifier import VerifierManifest
+from eagle3.evaluation import baseline as step
+from eagle3.verifier.resolve_verifier import VerifierManifest
 from tasks.cache import step_task, task_provenance
 from tasks.gpu import claim_gpus
 from tasks.report import decode_rows, publish_step_report

@@ -3,7 +3,7 @@
 Prefect's built-in INPUTS policy hashes a Path by its string, so an edited file would still hit;
 here files count by content, manifests by digest, config groups only by the fields that change the
 output (batch sizes and devices are left out), and code by the step's version in
-`eagle3.versions` (not by the bytes of any source file: moving or commenting code re-runs nothing).
+`eagle3.store.versions` (not by the bytes of any source file: moving or commenting code re-runs nothing).
 The provenance is computed once per task run, here; the task reads it back (`task_provenance`)
 and records it in its artifact, so Prefect's cache and the store agree.
 
@@ -30,7 +30,8 @@ from prefect.context import TaskRunContext
 from prefect.serializers import Serializer
 from prefect.utilities.hashing import hash_objects
 
-from eagle3.store import ArtifactManifest, ArtifactStore, Provenance, manifest_types, step_provenance
+from eagle3.store.artifacts import ArtifactStore, step_provenance
+from eagle3.store.manifests import ArtifactManifest, Provenance, manifest_types
 
 __all__ = ["ManifestSerializer", "StepCache", "step_cache_policy", "step_task", "task_provenance"]
 
@@ -65,7 +66,7 @@ class StepCache(CachePolicy):
 
 def step_cache_policy(step: str | ProvenanceOf) -> StepCache:
     """Key = the step's provenance, past results whose artifact is gone. `step`: its
-    `eagle3.versions` entry, or a function `(store, **inputs) -> Provenance` where the route or
+    `eagle3.store.versions` entry, or a function `(store, **inputs) -> Provenance` where the route or
     something else beside the task's inputs shapes the key."""
     return StepCache(provenance=partial(step_provenance, step) if isinstance(step, str) else step)
 

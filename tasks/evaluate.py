@@ -5,13 +5,13 @@ from pathlib import Path
 
 from prefect.artifacts import create_table_artifact
 
-from eagle3 import evaluate as step
-from eagle3.baseline import BaselineManifest
 from eagle3.config import EvalConfig
-from eagle3.export import ExportManifest
-from eagle3.extract_hidden_states import HiddenStatesManifest
+from eagle3.evaluation import evaluate as step
+from eagle3.evaluation.baseline import BaselineManifest
+from eagle3.extraction.shards import HiddenStatesManifest
 from eagle3.figures import with_error
-from eagle3.verifier import VerifierManifest
+from eagle3.serving.export import ExportManifest
+from eagle3.verifier.resolve_verifier import VerifierManifest
 from tasks.cache import step_task, task_provenance
 from tasks.gpu import claim_gpus
 from tasks.report import decode_rows, publish_step_report

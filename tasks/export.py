@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-from eagle3 import export as step
 from eagle3.config import ExportConfig
-from eagle3.extract_hidden_states import HiddenStatesManifest
-from eagle3.train import DraftManifest
-from eagle3.verifier import VerifierManifest
-from eagle3.vocab_mapping import VocabManifest
+from eagle3.extraction.shards import HiddenStatesManifest
+from eagle3.serving import export as step
+from eagle3.training.train import DraftManifest
+from eagle3.training.vocab_mapping import VocabManifest
+from eagle3.verifier.resolve_verifier import VerifierManifest
 from tasks.cache import step_task, task_provenance
 from tasks.report import publish_step_report
 from tasks.store import run_store

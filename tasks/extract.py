@@ -2,10 +2,10 @@ from __future__ import annotations
 
 from functools import partial
 
-from eagle3 import extract_hidden_states as step
 from eagle3.config import ExtractConfig
-from eagle3.prepare_dataset import DatasetManifest
-from eagle3.verifier import VerifierManifest
+from eagle3.data.prepare_dataset import DatasetManifest
+from eagle3.extraction import extract_hidden_states as step
+from eagle3.verifier.resolve_verifier import VerifierManifest
 from tasks.cache import step_task, task_provenance
 from tasks.gpu import claim_gpus
 from tasks.report import Progress, publish_step_report

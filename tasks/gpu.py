@@ -1,7 +1,7 @@
 """GPU claims: a step that runs on CUDA takes slots of the Prefect global concurrency limit `gpu`,
 so concurrent flow runs never oversubscribe a host, then picks that many free devices of this host,
 which its child processes see as CUDA_VISIBLE_DEVICES. Tasks hand `claim_gpus` to their step, which
-enters it after it holds its work directory (`eagle3.isolation.GpuClaim` says when).
+enters it after it holds its work directory (`eagle3.runtime.attempts.GpuClaim` says when).
 
 `strict=True`: a missing limit is an error, not a silent free-for-all. `eagle3 gpu-limit` creates it
 with the host's GPU count. Slots are released when the step fails; those of a killed holder return
@@ -11,16 +11,18 @@ frees leaked ones by hand. Device locks are per-host flocks, released by the ker
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from prefect.client.orchestration import get_client
 from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
 from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectNotFound
 
-from eagle3.extract_hidden_states import resolve_device
-from eagle3.isolation import host_gpu_ids, lock_free_gpus
+from eagle3.runtime.devices import host_gpu_ids, lock_free_gpus, resolve_device
 
-__all__ = ["GPU_LIMIT", "claim_gpus", "gpu_slots"]
+__all__ = ["GPU_LIMIT", "claim_gpus", "ensure_gpu_limit", "gpu_slots", "set_gpu_limit"]
 
 GPU_LIMIT = "gpu"
 LEASE_SECONDS = 60.0  # the server's minimum: a killed holder's slots return this soon
@@ -48,3 +50,27 @@ def claim_gpus(device: str, count: int = 1) -> Iterator[list[str] | None]:
         return
     with gpu_slots(count), lock_free_gpus(host_gpu_ids(), count) as devices:
         yield devices
+
+
+def set_gpu_limit(slots: int) -> None:
+    """Create or resize the server's `gpu` limit (`eagle3 gpu-limit`)."""
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, slots)
+
+
+def ensure_gpu_limit(gpus: int | None = None) -> None:
+    """Create the `gpu` limit with `gpus` slots (default: the GPUs this host sees) if the server has
+    none, so a GPU host's first `eagle3 run` needs no setup; an existing limit is left as its owner
+    set it (`eagle3 gpu-limit`)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if gpus < 1:
+        return
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        except ObjectNotFound:
+            client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, gpus)
+            print(f"eagle3: created the Prefect concurrency limit '{GPU_LIMIT}' with {gpus} slot(s), one per GPU here",
+                  file=sys.stderr)

@@ -6,9 +6,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from eagle3.config import PipelineConfig
-from eagle3.lineage import RunLineage, change_summary, lineage, lineage_table, to_mermaid
-from eagle3.runs import record_run, replay_file
-from eagle3.store import ArtifactManifest, ArtifactStore
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.lineage import RunLineage, change_summary, lineage, lineage_table, to_mermaid
+from eagle3.store.manifests import ArtifactManifest
+from eagle3.store.runs import record_run, replay_file
 
 
 @task(name="publish-lineage", cache_policy=NO_CACHE)

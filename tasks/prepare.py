@@ -2,9 +2,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3 import prepare_dataset as step
 from eagle3.config import DatasetConfig
-from eagle3.verifier import VerifierManifest, verifier_tokenizer
+from eagle3.data import prepare_dataset as step
+from eagle3.verifier.resolve_verifier import VerifierManifest, verifier_tokenizer
 from tasks.cache import step_task, task_provenance
 from tasks.report import publish_step_report
 from tasks.store import run_store

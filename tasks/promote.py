@@ -8,10 +8,10 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from eagle3 import promotion as step
 from eagle3.config import PromotionConfig
-from eagle3.evaluate import EvalManifest
-from eagle3.store import ArtifactStore
+from eagle3.evaluation import promotion as step
+from eagle3.evaluation.evaluate import EvalManifest
+from eagle3.store.artifacts import ArtifactStore
 
 
 def _markdown(record: step.PromotionRecord) -> str:

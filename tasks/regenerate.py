@@ -3,9 +3,9 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from eagle3 import regenerate as step
 from eagle3.config import RegenerateConfig
-from eagle3.verifier import VerifierManifest
+from eagle3.data import regenerate as step
+from eagle3.verifier.resolve_verifier import VerifierManifest
 from tasks.cache import step_task, task_provenance
 from tasks.gpu import claim_gpus
 from tasks.report import Progress, publish_step_report

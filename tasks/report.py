@@ -8,7 +8,7 @@ from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 
-from eagle3.store import ArtifactManifest
+from eagle3.store.manifests import ArtifactManifest
 
 __all__ = ["Progress", "decode_rows", "publish_image", "publish_step_report"]
 

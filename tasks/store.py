@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prefect.runtime import flow_run, task_run
 
-from eagle3.store import ArtifactStore, Producer
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.manifests import Producer
 
 __all__ = ["run_store"]
 

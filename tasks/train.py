@@ -5,13 +5,13 @@ from functools import partial
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from eagle3 import train as step
 from eagle3.config import TrainConfig
-from eagle3.extract_hidden_states import HiddenStatesManifest
-from eagle3.prepare_dataset import DatasetManifest
-from eagle3.store import ArtifactStore
-from eagle3.verifier import VerifierManifest
-from eagle3.vocab_mapping import VocabManifest
+from eagle3.data.prepare_dataset import DatasetManifest
+from eagle3.extraction.shards import HiddenStatesManifest
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.training import train as step
+from eagle3.training.vocab_mapping import VocabManifest
+from eagle3.verifier.resolve_verifier import VerifierManifest
 from tasks.cache import step_task, task_provenance
 from tasks.gpu import claim_gpus
 from tasks.report import Progress, publish_image, publish_step_report

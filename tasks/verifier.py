@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3 import verifier as step
 from eagle3.config import VerifierConfig
+from eagle3.verifier import resolve_verifier as step
 from tasks.cache import step_task
 from tasks.report import publish_step_report
 from tasks.store import run_store

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-from eagle3 import vocab_mapping as step
 from eagle3.config import VocabConfig
-from eagle3.prepare_dataset import DatasetManifest
-from eagle3.verifier import VerifierManifest
+from eagle3.data.prepare_dataset import DatasetManifest
+from eagle3.training import vocab_mapping as step
+from eagle3.verifier.resolve_verifier import VerifierManifest
 from tasks.cache import step_task, task_provenance
 from tasks.report import publish_step_report
 from tasks.store import run_store

@@ -20,8 +20,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import (  # noqa: E402
-    KIMI_INT4_IGNORE, KIMI_INT4_WEIGHTS, compressed_checkpoint, tiny_kimi_k25, tiny_llama, tiny_llava, tiny_qwen3_moe, tiny_qwen3_vl_moe,
+from tiny_models import (
+    KIMI_INT4_IGNORE,
+    KIMI_INT4_WEIGHTS,
+    compressed_checkpoint,
+    tiny_kimi_k25,
+    tiny_llama,
+    tiny_llava,
+    tiny_qwen3_moe,
+    tiny_qwen3_vl_moe,
 )
 
 SAMPLE = Path(__file__).resolve().parents[1] / "eagle3" / "data" / "sample_conversations.jsonl"
@@ -132,7 +139,7 @@ def run_while_another_run_holds_the_step(store, manifest_type, provenance, step)
             run.claimed_before_release = list(run.claimed_at)
             run.released_at = time.monotonic()
 
-    logging.getLogger("eagle3.store").addHandler(waiting)
+    logging.getLogger("eagle3").addHandler(waiting)
     thread = threading.Thread(target=other_run)
     thread.start()
     try:
@@ -141,7 +148,7 @@ def run_while_another_run_holds_the_step(store, manifest_type, provenance, step)
         run.finished_at = time.monotonic()
     finally:
         thread.join(60)
-        logging.getLogger("eagle3.store").removeHandler(waiting)
+        logging.getLogger("eagle3").removeHandler(waiting)
     assert waiting.seen.is_set(), "the step did not wait for the run holding it"
     assert run.claimed_before_release == [], "the step claimed its GPU while it waited for the other run"
     return run
@@ -150,7 +157,7 @@ def run_while_another_run_holds_the_step(store, manifest_type, provenance, step)
 def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str], manifest_type=None, files=None, **fields):
     """A one-file artifact (plus `files`: name -> text) with the given parents and manifest fields:
     lineage, gc and promotion tests need the graph and the manifest, not the payload."""
-    from eagle3.store import ArtifactManifest
+    from eagle3.store.manifests import ArtifactManifest
 
     with store.work_dir(kind, content) as work:
         (work / "data.txt").write_text(content)
@@ -163,8 +170,8 @@ def publish_evaluation(store, name: str, taus: dict[int, float], verifier="a" * 
                        draft="d" * 64, counts=None, **measured):
     """Checkpoint `name` (of `draft`) and an evaluation of it in `store`, shaped as the evaluate step
     publishes them; `counts` (k -> each prompt's EAGLE-3 tokens and passes) go to its per_prompt.json."""
-    from eagle3.evaluate import EvalManifest
-    from eagle3.tau import PER_PROMPT
+    from eagle3.evaluation.evaluate import EvalManifest
+    from eagle3.evaluation.tau import PER_PROMPT
 
     checkpoint = publish_text_artifact(store, "checkpoint", name, {"draft": draft})
     settings = {"prompts_path": None, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "ks": list(taus), **measured}

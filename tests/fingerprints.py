@@ -27,6 +27,7 @@ PINS = Path(__file__).parent / "pinned" / "step_outputs.json"
 VOLATILE = {"tokens_per_s", "greedy_tokens_per_s", "seconds", "measured_on", "sha256"}  # sha256: of float files, fingerprinted themselves
 UNREAD = {"manifest.json", "training_curves.png", "train.log"}  # the manifest's numbers are the files'; a picture and a log
 SAMPLES = 16
+LARGE_JSON = 1 << 16  # bytes: a JSON file above this is fingerprinted by its digest
 VALUE_TOLERANCE = 2**-7  # relative, per value: two bfloat16 rounding steps
 RMS_TOLERANCE = 2e-3  # relative: one value's rounding barely moves a tensor's RMS
 JSON_TOLERANCE = 1e-3  # relative, for numbers the steps compute in float32 (losses, accuracies)
@@ -43,7 +44,8 @@ def _tensor(t: torch.Tensor) -> dict[str, Any]:
         return out
     flat = t.detach().float().flatten()
     out["rms"] = flat.square().mean().sqrt().item() if flat.numel() else 0.0
-    picks = torch.linspace(0, max(flat.numel() - 1, 0), min(SAMPLES, flat.numel())).long()
+    n = flat.numel()
+    picks = sorted({i * (n - 1) // max(SAMPLES - 1, 1) for i in range(SAMPLES)}) if n else []
     out["values"] = flat[picks].tolist()
     return out
 
@@ -64,6 +66,8 @@ def fingerprint_file(path: Path, root: str) -> Any:
     if path.suffix == ".parquet":
         table = pq.read_table(path)
         return {name: _digest(json.dumps(table.column(name).to_pylist()).encode()) for name in table.column_names}
+    if path.suffix == ".json" and path.stat().st_size > LARGE_JSON:  # a tokenizer's vocabulary: its digest
+        return _digest(json.dumps(_json(json.loads(path.read_text()), root), sort_keys=True).encode())
     if path.suffix == ".json":
         return _json(json.loads(path.read_text()), root)
     if path.suffix == ".jsonl":
@@ -104,9 +108,9 @@ def assert_matches(actual: Any, pinned: Any, where: str = "") -> None:
 
 
 def check_pinned(step: str, output: dict[str, Any]) -> None:
-    """`output` (fingerprints) is what `step` (an `eagle3.versions.STEPS` entry) was pinned to
+    """`output` (fingerprints) is what `step` (an `eagle3.store.versions.STEPS` entry) was pinned to
     write at its current version. `EAGLE3_REPIN=1` pins it instead."""
-    from eagle3.versions import STEPS
+    from eagle3.store.versions import STEPS
 
     code = STEPS[step]
     libraries = {package: version(package) for package in code.libraries}
@@ -128,5 +132,5 @@ def check_pinned(step: str, output: dict[str, Any]) -> None:
     except AssertionError as exc:
         raise AssertionError(
             f"the output of step '{step}' changed without a version bump ({exc}). Its cached artifacts would be reused "
-            f"as if nothing had changed: bump '{step}' in eagle3/versions.py, then re-pin with EAGLE3_REPIN=1."
+            f"as if nothing had changed: bump '{step}' in eagle3/store/versions.py, then re-pin with EAGLE3_REPIN=1."
         ) from None

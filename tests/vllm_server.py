@@ -22,17 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import SAMPLE, free_port, wait_for_http
+from tiny_models import tiny_llama
+
 from eagle3.cli import main
 from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig
-from eagle3.export import ExportManifest, export_checkpoint
-from eagle3.extract_hidden_states import HiddenStatesManifest, extract_hidden_states
-from eagle3.prepare_dataset import prepare_dataset
-from eagle3.regenerate import regenerate, regenerated_conversations
-from eagle3.store import ArtifactStore, Provenance
-from eagle3.train import train_draft
-from eagle3.verifier import VerifierManifest, load_tokenizer, resolve_verifier
-from eagle3.vocab_mapping import build_vocab_mapping
-from tiny_models import tiny_llama
+from eagle3.data.prepare_dataset import prepare_dataset
+from eagle3.data.regenerate import regenerate, regenerated_conversations
+from eagle3.extraction.extract_hidden_states import extract_hidden_states
+from eagle3.extraction.shards import HiddenStatesManifest
+from eagle3.serving.export import ExportManifest, export_checkpoint
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.manifests import Provenance
+from eagle3.training.train import train_draft
+from eagle3.training.vocab_mapping import build_vocab_mapping
+from eagle3.verifier.loading import load_tokenizer
+from eagle3.verifier.resolve_verifier import VerifierManifest, resolve_verifier
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

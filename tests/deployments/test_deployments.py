@@ -62,5 +62,5 @@ def test_a_triggered_run_completes_on_a_worker_with_its_artifacts_and_library_wa
     assert state.is_completed(), worker_log.read_text()[-3000:]
     keys = {a.key for a in artifacts}
     assert {"lineage", "acceptance-length", "promotion", "draft-numbers", "hidden-states-numbers"} <= keys
-    # 9 of its 40 conversations are longer than its dataset.max_seq_len: eagle3.prepare_dataset warns, and the UI shows it
+    # 9 of its 40 conversations are longer than its dataset.max_seq_len: eagle3.data.prepare_dataset warns, and the UI shows it
     assert any("9 record(s) truncated to dataset.max_seq_len=256 tokens" in message for message in logs), logs

@@ -145,9 +145,9 @@ def test_a_custom_run_from_the_ui_completes_and_shows_its_artifacts(
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     from eagle3.config import TrainConfig
-    from eagle3.store import MANIFEST
+    from eagle3.store.manifests import MANIFEST
 
-    assert CHANGED_LR != TrainConfig().lr
+    assert TrainConfig().lr != CHANGED_LR
     config = {**tiny_run_config, "train": {**tiny_run_config["train"], "lr": CHANGED_LR}}
     ui = prefect_server.removesuffix("/api")
 

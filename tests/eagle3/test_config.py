@@ -3,8 +3,17 @@ from __future__ import annotations
 import pytest
 
 from eagle3.config import (
-    ConfigError, DatasetConfig, EndpointConfig, EvalConfig, ExtractConfig, PipelineConfig, RegenerateConfig, TrainConfig,
-    VerifierConfig, load_config, output_affecting,
+    ConfigError,
+    DatasetConfig,
+    EndpointConfig,
+    EvalConfig,
+    ExtractConfig,
+    PipelineConfig,
+    RegenerateConfig,
+    TrainConfig,
+    VerifierConfig,
+    load_config,
+    output_affecting,
 )
 
 

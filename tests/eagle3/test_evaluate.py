@@ -2,34 +2,37 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import CLAIM_WAIT_S, SAMPLE, run_while_another_run_holds_the_step, work_dir_path, write_jsonl
 from tiny_models import CHATML, tiny_llama
+
 from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig
-from eagle3 import baseline, evaluate as evaluate_module
-from eagle3.baseline import DecodingModel, chat_prompts, measure_baselines, read_prompts
-from eagle3.evaluate import EvalManifest, eval_prompts_source, evaluate, evaluation_provenance, load_draft
-from eagle3.done_log import DONE_LOG
-from eagle3.endpoint import EndpointError
-from eagle3.export import export_checkpoint
-from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_states
-from eagle3.prepare_dataset import prepare_dataset
-from eagle3.served_acceptance import read_spec_decode_counters
-from eagle3.draft_proposer import Eagle3Proposer, draft_token_accuracy
-from eagle3.speculative import NgramProposer, greedy_decode, speculative_decode
-from eagle3.store import ArtifactError, ArtifactStore, Provenance
-from eagle3.tau import tau_from_counts
-from eagle3.train import train_draft
-from eagle3.verifier import eos_token_ids, load_text_model, load_tokenizer, resolve_verifier
-from eagle3.verifier_forward import DynamicForward, StaticForward
-from eagle3.vocab_mapping import build_vocab_mapping
+from eagle3.data.prepare_dataset import prepare_dataset
+from eagle3.evaluation import baseline
+from eagle3.evaluation import evaluate as evaluate_module
+from eagle3.evaluation.baseline import DecodingModel, chat_prompts, measure_baselines, read_prompts
+from eagle3.evaluation.draft_proposer import Eagle3Proposer, draft_token_accuracy
+from eagle3.evaluation.evaluate import EvalManifest, eval_prompts_source, evaluate, evaluation_provenance, load_draft
+from eagle3.evaluation.served_acceptance import read_spec_decode_counters
+from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculative_decode
+from eagle3.evaluation.tau import tau_from_counts
+from eagle3.extraction.extract_hidden_states import extract_hidden_states
+from eagle3.serving.endpoint import EndpointError
+from eagle3.serving.export import export_checkpoint
+from eagle3.store.artifacts import ArtifactError, ArtifactStore
+from eagle3.store.done_log import DONE_LOG
+from eagle3.store.manifests import Provenance
+from eagle3.training.train import train_draft
+from eagle3.training.vocab_mapping import build_vocab_mapping
+from eagle3.verifier.capture import HiddenStateCapture
+from eagle3.verifier.forward import DynamicForward, StaticForward
+from eagle3.verifier.loading import eos_token_ids, load_text_model, load_tokenizer
+from eagle3.verifier.resolve_verifier import resolve_verifier
 
 AUX = [1, 2, 3]
 
@@ -299,9 +302,9 @@ def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported,
 
 
 def test_bumping_the_evaluation_version_reevaluates_drafts_and_keeps_the_baselines(exported, two_prompts, monkeypatch):
-    """A change to how drafts are decoded bumps `evaluation` in eagle3.versions: the baselines (greedy
+    """A change to how drafts are decoded bumps `evaluation` in eagle3.store.versions: the baselines (greedy
     and n-gram decoding) have a version of their own, so they stay cached."""
-    from eagle3 import versions
+    from eagle3.store import versions
 
     store, verifier, hidden, checkpoint = exported
     cfg, prompts, baselines = two_prompts

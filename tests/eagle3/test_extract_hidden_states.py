@@ -8,17 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import LogSeen
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import LogSeen
 from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, VerifierConfig
-from eagle3.extract_hidden_states import (
-    FAULT_OOM_ENV, _check_finite, _extract_attempt, _non_finite_per_slot, _shard_lock, extract_hidden_states, hidden_state_files, verify_shard,
-)
-from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
-from eagle3.store import ArtifactError, ArtifactStore, Provenance
-from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
+from eagle3.data.prepare_dataset import load_dataset_table, prepare_dataset
+from eagle3.extraction.extract_hidden_states import _extract_attempt, extract_hidden_states
+from eagle3.extraction.shards import hidden_state_files, shard_lock, verify_shard
+from eagle3.extraction.writer import _check_finite, _non_finite_per_slot
+from eagle3.runtime.faults import FAULT_OOM_ENV
+from eagle3.store.artifacts import ArtifactError, ArtifactStore
+from eagle3.store.manifests import Provenance
+from eagle3.verifier.loading import load_text_model, load_tokenizer
+from eagle3.verifier.resolve_verifier import resolve_verifier
 
 AUX = [1, 2, 3]
 
@@ -129,12 +132,12 @@ def _while_other_runs_extract(tmp_path, dataset, verifier, held: int, then) -> t
         except BaseException as exc:
             result["error"] = exc
 
-    logging.getLogger("eagle3.store").addHandler(waiting)
+    logging.getLogger("eagle3").addHandler(waiting)
     later = threading.Thread(target=later_run)
     try:
         with ExitStack() as others:  # the other runs, part way through their shards
             for key in keys:
-                others.enter_context(_shard_lock(store.root / "shards", key))
+                others.enter_context(shard_lock(store.root / "shards", key))
             later.start()
             assert waiting.seen.wait(60), "the later run did not wait for the shards"
             # The later run is blocked on a held lock, past any claim it took: its claim state is fixed until `then`.
@@ -142,7 +145,7 @@ def _while_other_runs_extract(tmp_path, dataset, verifier, held: int, then) -> t
             then(store, keys)
         later.join(120)
     finally:
-        logging.getLogger("eagle3.store").removeHandler(waiting)
+        logging.getLogger("eagle3").removeHandler(waiting)
     assert not later.is_alive()
     if "error" in result:
         raise result["error"]
@@ -195,7 +198,7 @@ def test_an_attempt_that_finds_every_shard_taken_never_loads_the_verifier(prepar
     todo = [(k, f"shard-{k}", [k]) for k in range(2)]
     no_model = verifier.model_copy(update={"path": tmp_path / "no-model"})
 
-    with _shard_lock(shard_root, "shard-0"), _shard_lock(shard_root, "shard-1"):
+    with shard_lock(shard_root, "shard-0"), shard_lock(shard_root, "shard-1"):
         result = _extract_attempt(dataset, no_model, AUX, "cpu", shard_root, todo, 1024, None, lambda k, extracted: None)
 
     assert result == {"busy": [0, 1], "oom": None}
@@ -310,10 +313,10 @@ def test_bumping_one_routes_version_keeps_the_other_routes_shards(bumped, change
     """Shards are keyed by the version of the route that computed them: a new version of the
     server route does not re-extract the step's own shards, nor the reverse, and other steps'
     versions touch neither."""
-    from eagle3 import versions
     from eagle3.config import EndpointConfig
-    from eagle3.extract_hidden_states import shard_key
-    from eagle3.store import ArtifactManifest
+    from eagle3.extraction.shards import shard_key
+    from eagle3.store import versions
+    from eagle3.store.manifests import ArtifactManifest
 
     verifier = ArtifactManifest(kind="verifier", digest="0" * 64, path=Path("."))
     backends = {"transformers": ExtractConfig(), "vllm": ExtractConfig(backend="vllm", endpoint=EndpointConfig(model="m"))}

@@ -1,11 +1,11 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import publish_evaluation, publish_text_artifact
-from eagle3.gc import collect_garbage, store_in_use
-from eagle3.runs import record_run
-from eagle3.store import ArtifactError, ArtifactStore
+
+from eagle3.store.artifacts import ArtifactError, ArtifactStore
+from eagle3.store.gc import collect_garbage, store_in_use
+from eagle3.store.runs import record_run
 
 
 def test_gc_removes_only_what_the_kept_runs_did_not_reach(tmp_path):
@@ -53,9 +53,8 @@ def test_gc_refuses_while_a_flow_uses_the_store(tmp_path):
     store = ArtifactStore(tmp_path)
     record_run(store, "run-1", [publish_text_artifact(store, "draft", "x", {}).digest])
 
-    with store_in_use(store):
-        with pytest.raises(ArtifactError, match="a flow is running on this store"):
-            collect_garbage(store, keep_runs=1)
+    with store_in_use(store), pytest.raises(ArtifactError, match="a flow is running on this store"):
+        collect_garbage(store, keep_runs=1)
 
 
 def test_gc_without_any_recorded_run_removes_nothing(tmp_path):
@@ -84,7 +83,7 @@ def test_gc_keeps_the_draft_a_kept_run_warm_started_from_but_not_its_ancestry(tm
 
 def test_gc_keeps_the_best_promoted_checkpoint_its_evaluation_and_its_verifier_however_old(tmp_path):
     from eagle3.config import PromotionConfig
-    from eagle3.promotion import promote
+    from eagle3.evaluation.promotion import promote
 
     store = ArtifactStore(tmp_path)
     old_verifier = publish_text_artifact(store, "verifier", "dequantized last month", {})

@@ -8,24 +8,28 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import SAMPLE, write_jsonl
+from safetensors.torch import load_file
 from tiny_models import tiny_llama
+
 from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig
-from eagle3.evaluate import load_draft
-from eagle3.export import export_checkpoint
-from eagle3.extract_hidden_states import HiddenStateCapture, extract_hidden_states, hidden_state_files
-from eagle3.isolation import fixed_devices
-from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
-from eagle3.regenerate import regenerate
-from eagle3.draft_proposer import Eagle3Proposer
-from eagle3.speculative import NgramProposer, greedy_decode, speculative_decode
-from eagle3.store import ArtifactStore, Provenance
-from eagle3.train import train_draft
-from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
-from eagle3.verifier_forward import StaticForward, forward_for
-from eagle3.vocab_mapping import build_vocab_mapping
+from eagle3.data.prepare_dataset import load_dataset_table, prepare_dataset
+from eagle3.data.regenerate import regenerate
+from eagle3.evaluation.draft_proposer import Eagle3Proposer
+from eagle3.evaluation.evaluate import load_draft
+from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculative_decode
+from eagle3.extraction.extract_hidden_states import extract_hidden_states
+from eagle3.extraction.shards import hidden_state_files
+from eagle3.runtime.attempts import fixed_devices
+from eagle3.serving.export import export_checkpoint
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.manifests import Provenance
+from eagle3.training.train import train_draft
+from eagle3.training.vocab_mapping import build_vocab_mapping
+from eagle3.verifier.capture import HiddenStateCapture
+from eagle3.verifier.forward import StaticForward, forward_for
+from eagle3.verifier.loading import load_text_model, load_tokenizer
+from eagle3.verifier.resolve_verifier import resolve_verifier
 
 pytestmark = pytest.mark.gpu
 AUX = [1, 2, 3]
@@ -69,7 +73,7 @@ def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_
     gpus = [str(i) for i in range(torch.cuda.device_count())]
 
     # Three layers and two validations: under dynamo's default limit, such a draft stopped compiling in validation on an
-    # H200 (eagle3.trainer_compat); whether this tiny one reaches the limit too has not been checked.
+    # H200 (eagle3.training.trainer_compat); whether this tiny one reaches the limit too has not been checked.
     cfg = TrainConfig(epochs=2, num_layers=3, total_seq_len=512, device="cuda", num_gpus=len(gpus))
     draft = train_draft(cfg, dataset, hidden, vocab, verifier, store, Provenance(), claim=fixed_devices(gpus))
     checkpoint = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
@@ -107,7 +111,7 @@ def test_cuda_graph_replays_compute_what_eager_passes_compute(tiny_verifier):
     for (argmax, aux), (expected_argmax, expected_aux) in zip(graphed_passes, eager_passes, strict=True):
         assert argmax == expected_argmax
         assert torch.equal(aux, expected_aux)
-    assert sorted(graphed._graphs) == [1, 4]  # noqa: SLF001  (the later passes were replays)
+    assert sorted(graphed._graphs) == [1, 4]
     expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False, eos_token_id=None)[0, len(prompt):]
     assert greedy_decode(graphed, prompt, 40, set()).tokens == expected.tolist()
     for k in (1, 3, 5):

@@ -12,8 +12,9 @@ import time
 import pytest
 import torch
 
-from eagle3.isolation import ChildProcessFailed, lock_free_gpus, run_attempt
-from eagle3.store import ArtifactError
+from eagle3.runtime.attempts import ChildProcessFailed, run_attempt
+from eagle3.runtime.devices import lock_free_gpus
+from eagle3.store.artifacts import ArtifactError
 
 
 def report_devices(steps: int, on_progress) -> dict:
@@ -41,8 +42,8 @@ def test_an_attempt_runs_in_a_child_that_sees_only_its_devices():
 
 
 def log_in_child(on_progress) -> None:
-    logging.getLogger("eagle3.extract_hidden_states").warning("waiting for shard %d", 3)
-    logging.getLogger("eagle3.extract_hidden_states").debug("below the flow's level: not sent")
+    logging.getLogger("eagle3.extraction.extract_hidden_states").warning("waiting for shard %d", 3)
+    logging.getLogger("eagle3.extraction.extract_hidden_states").debug("below the flow's level: not sent")
     logging.getLogger("other").warning("not the library's: stays in the child")
 
 
@@ -51,7 +52,7 @@ def test_a_child_s_library_log_records_are_logged_in_this_process(caplog):
         run_attempt(log_in_child, {}, ["0"])
 
     assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
-        ("eagle3.extract_hidden_states", logging.WARNING, "waiting for shard 3")]
+        ("eagle3.extraction.extract_hidden_states", logging.WARNING, "waiting for shard 3")]
 
 
 def test_without_devices_the_attempt_runs_in_this_process():
@@ -83,15 +84,14 @@ def test_device_locks_hand_out_distinct_devices_and_wait_when_all_are_taken(tmp_
 
 def test_a_killed_holder_frees_its_devices_at_once(tmp_path):
     code = (
-        "import sys, time; from pathlib import Path; from eagle3.isolation import lock_free_gpus\n"
+        "import sys, time; from pathlib import Path; from eagle3.runtime.devices import lock_free_gpus\n"
         f"with lock_free_gpus(['0'], 1, Path({str(tmp_path)!r})):\n"
         "    print('held', flush=True); time.sleep(600)\n"
     )
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
-    with pytest.raises(RuntimeError, match="no 1 free GPU"):
-        with lock_free_gpus(["0"], 1, tmp_path, timeout_s=0.5):
-            pass
+    with pytest.raises(RuntimeError, match="no 1 free GPU"), lock_free_gpus(["0"], 1, tmp_path, timeout_s=0.5):
+        pass
 
     holder.kill()
     holder.wait()
@@ -110,13 +110,13 @@ ORPHANING_PARENT = {
     "attempt": """
 import sys
 sys.path.insert(0, sys.argv[1])
-from eagle3.isolation import run_attempt
+from eagle3.runtime.attempts import run_attempt
 from test_isolation import report_pid_then_wait
 run_attempt(report_pid_then_wait, {}, ["0"], lambda pid: print(pid, flush=True))
 """,
     "command": """
 import subprocess, sys
-from eagle3.isolation import dying_with_parent
+from eagle3.runtime.attempts import dying_with_parent
 subprocess.Popen(dying_with_parent([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(120)"])).wait()
 """,
 }

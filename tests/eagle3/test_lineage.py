@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import publish_text_artifact
+
 from eagle3.cli import main
-from eagle3.lineage import change_summary, find_artifact, lineage, lineage_table, to_mermaid
-from eagle3.runs import lineage_roots, record_run
-from eagle3.store import ArtifactError, ArtifactStore, Producer
+from eagle3.store.artifacts import ArtifactError, ArtifactStore
+from eagle3.store.lineage import change_summary, find_artifact, lineage, lineage_table, to_mermaid
+from eagle3.store.manifests import Producer
+from eagle3.store.runs import lineage_roots, record_run
 
 
 def _store(root, run: str) -> ArtifactStore:

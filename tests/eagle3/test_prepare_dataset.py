@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import write_jsonl
-from eagle3.config import DatasetConfig
-from eagle3.prepare_dataset import DatasetManifest, build_loss_mask, prepare_dataset, read_conversations
-from eagle3.store import ArtifactError, ArtifactStore, Provenance
 from tiny_models import CHATML, GENERATION, LLAMA3, tiny_tokenizer
+
+from eagle3.config import DatasetConfig
+from eagle3.data.prepare_dataset import DatasetManifest, build_loss_mask, prepare_dataset, read_conversations
+from eagle3.store.artifacts import ArtifactError, ArtifactStore
+from eagle3.store.manifests import Provenance
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -160,8 +161,9 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[3])
 from tiny_models import CHATML, tiny_tokenizer
 from eagle3.config import DatasetConfig
-from eagle3.prepare_dataset import prepare_dataset
-from eagle3.store import ArtifactStore, Provenance
+from eagle3.data.prepare_dataset import prepare_dataset
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.manifests import Provenance
 print(prepare_dataset(DatasetConfig(), Path(sys.argv[2]), tiny_tokenizer(CHATML), ArtifactStore(sys.argv[1]), Provenance(config={"run": "same"})).model_dump_json())
 """
 
@@ -206,7 +208,7 @@ def test_a_run_that_waited_for_the_same_step_returns_what_the_other_run_publishe
     waits = []
     waiting = logging.Handler()
     waiting.emit = lambda record: waits.append(record.getMessage())
-    logging.getLogger("eagle3.store").addHandler(waiting)
+    logging.getLogger("eagle3").addHandler(waiting)
     second = []
     thread = threading.Thread(target=lambda: second.append(prepare_dataset(DatasetConfig(), source, chatml, store, provenance)))
     try:
@@ -219,7 +221,7 @@ def test_a_run_that_waited_for_the_same_step_returns_what_the_other_run_publishe
         thread.join(30)
         assert not thread.is_alive(), "the second run did the step again: it is blocked reading the source"
     finally:
-        logging.getLogger("eagle3.store").removeHandler(waiting)
+        logging.getLogger("eagle3").removeHandler(waiting)
         first.kill()
         if thread.is_alive():
             os.close(os.open(source, os.O_WRONLY))  # let it read an empty source and fail

@@ -6,13 +6,14 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import publish_evaluation
+
 from eagle3.cli import main
 from eagle3.config import ConfigError, PromotionConfig
-from eagle3.promotion import promote, promoted_checkpoints, read_promotions
-from eagle3.store import ArtifactError, ArtifactStore
-from eagle3.tau import tau_from_counts, tau_standard_error
+from eagle3.evaluation.promotion import promote
+from eagle3.evaluation.tau import tau_from_counts, tau_standard_error
+from eagle3.store.artifacts import ArtifactError, ArtifactStore
+from eagle3.store.promotions import promoted_checkpoints, read_promotions
 
 DEFAULT = PromotionConfig()
 

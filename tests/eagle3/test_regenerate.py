@@ -8,19 +8,21 @@ from contextlib import contextmanager
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from conftest import CLAIM_WAIT_S, free_port, run_while_another_run_holds_the_step, work_dir_path, write_jsonl
 from tiny_models import CHATML, tiny_llama
+
 from eagle3.config import EndpointConfig, RegenerateConfig, VerifierConfig
-from eagle3.endpoint import EndpointError
-from eagle3.extract_hidden_states import FAULT_OOM_ENV
-from eagle3.isolation import run_attempt
-from eagle3.prepare_dataset import read_user_turns
-from eagle3.regenerate import RegeneratedManifest, _answer_batch, _answer_text, _transformers_attempt, regenerate
-from eagle3.speculative import greedy_decode
-from eagle3.verifier_forward import DynamicForward
-from eagle3.store import ArtifactError, ArtifactStore, Provenance
-from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier
+from eagle3.data.prepare_dataset import read_user_turns
+from eagle3.data.regenerate import RegeneratedManifest, _answer_batch, _answer_text, _transformers_attempt, regenerate
+from eagle3.evaluation.speculative import greedy_decode
+from eagle3.runtime.attempts import run_attempt
+from eagle3.runtime.faults import FAULT_OOM_ENV
+from eagle3.serving.endpoint import EndpointError
+from eagle3.store.artifacts import ArtifactError, ArtifactStore
+from eagle3.store.manifests import Provenance
+from eagle3.verifier.forward import DynamicForward
+from eagle3.verifier.loading import load_text_model, load_tokenizer
+from eagle3.verifier.resolve_verifier import resolve_verifier
 
 CFG = RegenerateConfig(enabled=True, max_new_tokens=12, batch_size=2)
 NO_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"

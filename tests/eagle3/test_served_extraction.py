@@ -1,5 +1,5 @@
 """Extraction by a real vLLM server (`extract.backend=vllm`): the CPU build in .venv-vllm, started
-by the command `eagle3 extraction-server --cpu` prints, so through `eagle3/vllm_cpu_connector.py`."""
+by the command `eagle3 extraction-server --cpu` prints, so through `eagle3/extraction/vllm_cpu_connector.py`."""
 
 from __future__ import annotations
 
@@ -10,19 +10,23 @@ import shlex
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import SAMPLE, free_port
+from safetensors.torch import load_file, save_file
+from tiny_models import with_repository_tokenizer
+from vllm_server import EXTRACTED_AUX as AUX
+from vllm_server import EXTRACTION_CONTEXT, SERVED_NAME
+
 from eagle3.cli import main
 from eagle3.config import ConfigError, DatasetConfig, EndpointConfig, ExtractConfig, VerifierConfig
-from eagle3.endpoint import EndpointError
-from eagle3.extract_hidden_states import extract_hidden_states, hidden_state_files
-from eagle3.prepare_dataset import load_dataset_table, prepare_dataset
-from eagle3.served_extraction import ServedStates, read_states
-from eagle3.store import ArtifactStore, Provenance
-from eagle3.verifier import load_tokenizer, resolve_verifier
-from tiny_models import with_repository_tokenizer
-from vllm_server import EXTRACTED_AUX as AUX, EXTRACTION_CONTEXT, SERVED_NAME
+from eagle3.data.prepare_dataset import load_dataset_table, prepare_dataset
+from eagle3.extraction.extract_hidden_states import extract_hidden_states
+from eagle3.extraction.served import ServedStates, read_states
+from eagle3.extraction.shards import hidden_state_files
+from eagle3.serving.endpoint import EndpointError
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.manifests import Provenance
+from eagle3.verifier.loading import load_tokenizer
+from eagle3.verifier.resolve_verifier import resolve_verifier
 
 
 def _setup(server, store_dir):

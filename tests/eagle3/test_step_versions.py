@@ -1,6 +1,6 @@
 """Every in-process step's output on a tiny verifier, against the output pinned for its version.
 
-Cache keys hold each step's version (`eagle3.versions`), not its source: these tests are what keeps
+Cache keys hold each step's version (`eagle3.store.versions`), not its source: these tests are what keeps
 that honest. A change that alters a step's output fails here until the step's version is bumped
 (and its new output pinned with `EAGLE3_REPIN=1`), so a cached artifact is never reused for code
 that would now compute something else. The server routes' outputs are the server's; the GGUF
@@ -12,20 +12,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import SAMPLE, write_jsonl
-from eagle3.baseline import measure_baselines
-from eagle3.config import DatasetConfig, EvalConfig, ExportConfig, ExtractConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig
-from eagle3.evaluate import evaluate
-from eagle3.export import export_checkpoint
-from eagle3.extract_hidden_states import extract_hidden_states
-from eagle3.prepare_dataset import prepare_dataset
-from eagle3.regenerate import regenerate, regenerated_conversations
-from eagle3.store import ArtifactStore, Provenance
-from eagle3.train import train_draft
-from eagle3.verifier import load_tokenizer, resolve_verifier
-from eagle3.vocab_mapping import build_vocab_mapping
 from fingerprints import check_pinned, fingerprint_tree
+
+from eagle3.config import DatasetConfig, EvalConfig, ExportConfig, ExtractConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig
+from eagle3.data.prepare_dataset import prepare_dataset
+from eagle3.data.regenerate import regenerate, regenerated_conversations
+from eagle3.evaluation.baseline import measure_baselines
+from eagle3.evaluation.evaluate import evaluate
+from eagle3.extraction.extract_hidden_states import extract_hidden_states
+from eagle3.serving.export import export_checkpoint
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.manifests import Provenance
+from eagle3.training.train import train_draft
+from eagle3.training.vocab_mapping import build_vocab_mapping
+from eagle3.verifier.loading import load_tokenizer
+from eagle3.verifier.resolve_verifier import resolve_verifier
 
 pytestmark = pytest.mark.slow
 

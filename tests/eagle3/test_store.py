@@ -9,13 +9,16 @@ import time
 from contextlib import contextmanager
 
 import pytest
-
 from conftest import LogSeen
-from eagle3.store import TEMP_SUFFIX, ArtifactStore, Stopwatch, atomic_write_text, exclusive, exclusive_if_free
+
+from eagle3.runtime.locks import exclusive, exclusive_if_free
+from eagle3.runtime.stopwatch import Stopwatch
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.files import TEMP_SUFFIX, atomic_write_text
 
 HOLD = """
 import sys
-from eagle3.store import TEMP_SUFFIX, ArtifactStore, atomic_write_text
+from eagle3.store.artifacts import ArtifactStore
 with ArtifactStore(sys.argv[1]).work_dir("dataset", "k" * 64) as work:
     print(work, flush=True)
     sys.stdin.read()  # until the test kills this process
@@ -26,7 +29,7 @@ def test_a_run_waits_for_the_work_dir_another_run_holds_until_that_run_dies(tmp_
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     held_dir = holder.stdout.readline().strip()
     waiting = LogSeen("waiting for another run of step 'dataset'")
-    logging.getLogger("eagle3.store").addHandler(waiting)
+    logging.getLogger("eagle3").addHandler(waiting)
     entered = []
 
     def second_run():
@@ -41,7 +44,7 @@ def test_a_run_waits_for_the_work_dir_another_run_holds_until_that_run_dies(tmp_
         holder.kill()  # a killed run's lock goes with it
         thread.join(30)
     finally:
-        logging.getLogger("eagle3.store").removeHandler(waiting)
+        logging.getLogger("eagle3").removeHandler(waiting)
         holder.kill()
         holder.wait()
 
@@ -72,7 +75,7 @@ def test_a_waiter_that_gets_a_removed_lock_file_waits_again_for_the_one_its_path
             entered.set()
 
     waiting = LogSeen("waiting for the step")
-    logging.getLogger("eagle3.store").addHandler(waiting)
+    logging.getLogger("eagle3").addHandler(waiting)
     with open(path, "a") as first:
         fcntl.flock(first, fcntl.LOCK_EX)
         thread = threading.Thread(target=waiter)
@@ -86,7 +89,7 @@ def test_a_waiter_that_gets_a_removed_lock_file_waits_again_for_the_one_its_path
             first.close()
             assert not entered.wait(1), "the waiter entered on the removed file while the path's file is held"
         thread.join(30)
-    logging.getLogger("eagle3.store").removeHandler(waiting)
+    logging.getLogger("eagle3").removeHandler(waiting)
 
     assert entered.is_set()
     assert not path.exists()

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.baseline import decode_summary
-from eagle3.speculative import DecodeStats
-from eagle3.tau import gain_over, per_prompt_counts, tau_from_counts, tau_standard_error
+from eagle3.evaluation.baseline import decode_summary
+from eagle3.evaluation.speculative import DecodeStats
+from eagle3.evaluation.tau import gain_over, per_prompt_counts, tau_from_counts, tau_standard_error
 
 
 def _decoded(*accepted_per_prompt: list[int]) -> list[DecodeStats]:

@@ -5,30 +5,41 @@ import os
 import signal
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 import speculators.train.checkpointer as checkpointer_module
 import speculators.train.trainer as trainer_module
 import torch
-
 from conftest import CLAIM_WAIT_S, run_while_another_run_holds_the_step
-from eagle3 import trainer_compat
-from eagle3.baseline import measure_baselines
+
 from eagle3.config import (
-    DatasetConfig, EvalConfig, ExportConfig, ExtractConfig, PromotionConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig,
+    DatasetConfig,
+    EvalConfig,
+    ExportConfig,
+    ExtractConfig,
+    PromotionConfig,
+    RegenerateConfig,
+    TrainConfig,
+    VerifierConfig,
+    VocabConfig,
 )
-from eagle3.evaluate import evaluate
-from eagle3.export import export_checkpoint, validate_checkpoint
-from eagle3.extract_hidden_states import FAULT_OOM_ENV, extract_hidden_states
-from eagle3.prepare_dataset import prepare_dataset
-from eagle3.store import ArtifactError, ArtifactStore, Provenance, step_provenance
-from eagle3.promotion import promote
-from eagle3.regenerate import regenerate, regenerated_conversations
-from eagle3.train import DraftManifest, _speculators_data_dir, previous_draft, simulated_acceptance_length, train_draft
-from eagle3.train_worker import OOM_EXIT, TrainSpec
-from eagle3.verifier import load_tokenizer, resolve_verifier
-from eagle3.vocab_mapping import build_vocab_mapping
+from eagle3.data.prepare_dataset import prepare_dataset
+from eagle3.data.regenerate import regenerate, regenerated_conversations
+from eagle3.evaluation.baseline import measure_baselines
+from eagle3.evaluation.evaluate import evaluate
+from eagle3.evaluation.promotion import promote
+from eagle3.extraction.extract_hidden_states import extract_hidden_states
+from eagle3.runtime.faults import FAULT_OOM_ENV
+from eagle3.serving.export import export_checkpoint, validate_checkpoint
+from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
+from eagle3.store.manifests import Provenance
+from eagle3.training import trainer_compat
+from eagle3.training.train import DraftManifest, _speculators_data_dir, previous_draft, simulated_acceptance_length, train_draft
+from eagle3.training.train_worker import OOM_EXIT, TrainSpec
+from eagle3.training.vocab_mapping import build_vocab_mapping
+from eagle3.verifier.loading import load_tokenizer
+from eagle3.verifier.resolve_verifier import resolve_verifier
 
 TRAIN = TrainConfig(epochs=3, total_seq_len=512)
 
@@ -199,7 +210,7 @@ def test_the_worker_process_trains_and_reports_out_of_memory_by_exit_code(inputs
     spec = TrainSpec(cfg=TrainConfig(epochs=1, total_seq_len=512), work=tmp_path, verifier_path=verifier.path,
                      aux_layer_ids=hidden.aux_layer_ids, hidden_size=hidden.hidden_size, vocab=vocab, total_seq_len=512, device="cpu")
     (tmp_path / "spec.json").write_text(spec.model_dump_json())
-    run = [sys.executable, "-m", "eagle3.train_worker", str(tmp_path / "spec.json")]
+    run = [sys.executable, "-m", "eagle3.training.train_worker", str(tmp_path / "spec.json")]
 
     failed = subprocess.run(run, env={**os.environ, FAULT_OOM_ENV: "300"}, capture_output=True, text=True, timeout=600)
     trained = subprocess.run(run, capture_output=True, text=True, timeout=600)
@@ -263,8 +274,8 @@ def test_previous_draft_prefers_the_latest_draft_behind_a_promoted_checkpoint(in
             aux_layer_ids=hidden.aux_layer_ids, finished_at=finished_at,
         )
 
-    served = trained("served", "1" * 64, datetime(2026, 11, 1, tzinfo=timezone.utc))
-    smoke = trained("smoke test", "2" * 64, datetime(2026, 11, 2, tzinfo=timezone.utc))
+    served = trained("served", "1" * 64, datetime(2026, 11, 1, tzinfo=UTC))
+    smoke = trained("smoke test", "2" * 64, datetime(2026, 11, 2, tzinfo=UTC))
     assert previous_draft(store, TRAIN, verifier, hidden, dataset).digest == smoke.digest  # nothing promoted: the latest
 
     promote(PromotionConfig(), publish_evaluation(store, "served checkpoint", {3: 2.0}, verifier=verifier.digest, draft=served.digest), store, "run")

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from eagle3.train_timing import median_tokens_per_s, time_breakdown
+from eagle3.training.train_timing import median_tokens_per_s, time_breakdown
 
 
 def _log(path, records):

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from eagle3.store import ArtifactError
-from eagle3.training_curves import render_training_curves
+from eagle3.store.artifacts import ArtifactError
+from eagle3.training.training_curves import render_training_curves
 
 
 def _metrics(path, epochs: int = 2, steps: int = 5):

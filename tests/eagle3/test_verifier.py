@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
 from tiny_models import KIMI_INT4_IGNORE, KIMI_INT4_WEIGHTS, compressed_checkpoint, tiny_llama, with_repository_tokenizer
+
 from eagle3.config import VerifierConfig
-from eagle3.store import ArtifactError, ArtifactStore
-from eagle3.verifier import load_text_model, load_tokenizer, resolve_verifier, verifier_tokenizer
+from eagle3.store.artifacts import ArtifactError, ArtifactStore
+from eagle3.verifier.loading import load_text_model, load_tokenizer
+from eagle3.verifier.resolve_verifier import resolve_verifier, verifier_tokenizer
 
 
 def test_missing_tokenizer_names_the_directory(tiny_verifier, tmp_path):

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import MistralConfig, Qwen2Config, Qwen3NextConfig
 
-from eagle3.extract_hidden_states import HiddenStateCapture
-from eagle3.speculative import NgramProposer, greedy_decode, speculative_decode
-from eagle3.verifier import load_text_model
-from eagle3.verifier_forward import DynamicForward, StaticForward, decodes_like_dynamic, forward_for, full_attention_only
+from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculative_decode
+from eagle3.verifier.capture import HiddenStateCapture
+from eagle3.verifier.forward import DynamicForward, StaticForward, decodes_like_dynamic, forward_for, full_attention_only
+from eagle3.verifier.loading import load_text_model
 
 AUX = [1, 2, 3]
 PROMPT = [1, 200, 300, 400, 500, 600, 700, 200, 300]
@@ -87,7 +87,7 @@ def test_fixed_buffers_that_misplace_positions_are_found_out(model, monkeypatch,
     def one_position_late(self, ids, positions):  # a fault injected where an architecture could misread our positions
         return honest(self, ids, positions + 1)
 
-    honest = StaticForward._pass  # noqa: SLF001
+    honest = StaticForward._pass
     monkeypatch.setattr(StaticForward, "_pass", one_position_late)
 
     assert not decodes_like_dynamic(StaticForward(model, None, 64), PROMPT)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from eagle3.config import ConfigError, VocabConfig
-from eagle3.prepare_dataset import DatasetManifest
-from eagle3.store import ArtifactStore, Provenance
-from eagle3.vocab_mapping import build_vocab_mapping, load_vocab_mapping
+from eagle3.data.prepare_dataset import DatasetManifest
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.manifests import Provenance
+from eagle3.training.vocab_mapping import build_vocab_mapping, load_vocab_mapping
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from pathlib import Path
 from uuid import UUID
 
 import pytest
-
 from conftest import SAMPLE
+
 from eagle3.config import PipelineConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -74,9 +74,9 @@ def first_run(prefect_server, tiny_verifier, conversations, tmp_path):
 
 
 def test_identical_second_run_is_entirely_cached_and_says_nothing_changed(first_run):
-    from eagle3.lineage import lineage, lineage_table
-    from eagle3.promotion import read_promotions
-    from eagle3.store import ArtifactStore
+    from eagle3.store.artifacts import ArtifactStore
+    from eagle3.store.lineage import lineage, lineage_table
+    from eagle3.store.promotions import read_promotions
 
     config, first = first_run
 
@@ -141,8 +141,8 @@ def test_a_runs_recorded_configuration_replays_it(first_run):
 def test_a_run_that_trains_attaches_the_drafts_training_curves(first_run):
     import base64
 
-    from eagle3.store import ArtifactStore
-    from eagle3.train import DraftManifest
+    from eagle3.store.artifacts import ArtifactStore
+    from eagle3.training.train import DraftManifest
 
     config, first = first_run
 
@@ -165,7 +165,7 @@ def test_changing_only_training_hyperparameters_reruns_train_export_and_evaluati
 
 
 def test_changing_only_batch_knobs_file_locations_or_settings_of_an_unused_backend_reruns_nothing(first_run, tmp_path):
-    from eagle3.evaluate import eval_prompts_source
+    from eagle3.evaluation.evaluate import eval_prompts_source
 
     config, first = first_run
     moved = tmp_path / "moved"
@@ -199,8 +199,8 @@ def test_editing_the_dataset_in_place_reruns_everything_downstream(first_run, co
 
 
 def test_appending_records_extracts_only_the_new_shard(first_run, conversations):
-    from eagle3.extract_hidden_states import HiddenStatesManifest
-    from eagle3.store import ArtifactStore
+    from eagle3.extraction.shards import HiddenStatesManifest
+    from eagle3.store.artifacts import ArtifactStore
 
     config, first = first_run
     more = "".join(SAMPLE.read_text().splitlines(keepends=True)[40:48])
@@ -215,8 +215,8 @@ def test_appending_records_extracts_only_the_new_shard(first_run, conversations)
 
 
 def test_retraining_on_grown_data_continues_from_the_previous_draft_and_then_stays_cached(first_run, conversations):
-    from eagle3.store import ArtifactStore
-    from eagle3.train import DraftManifest
+    from eagle3.store.artifacts import ArtifactStore
+    from eagle3.training.train import DraftManifest
 
     config, first = first_run
     config = config.model_copy(update={"train": config.train.model_copy(update={"init_from": "previous"})})
@@ -235,7 +235,7 @@ def test_retraining_on_grown_data_continues_from_the_previous_draft_and_then_sta
 
 def test_a_step_whose_cached_artifact_gc_deleted_runs_again_instead_of_handing_on_nothing(first_run):
     from eagle3.cli import main
-    from eagle3.store import ArtifactStore
+    from eagle3.store.artifacts import ArtifactStore
 
     config, first = first_run
     _run(config.model_copy(update={"train": config.train.model_copy(update={"lr": 3e-4})}))
@@ -253,9 +253,10 @@ def test_a_step_whose_cached_artifact_gc_deleted_runs_again_instead_of_handing_o
 
 
 def test_regeneration_feeds_the_verifiers_answers_into_the_dataset(prefect_server, tiny_verifier, conversations, tmp_path):
-    from eagle3.lineage import lineage
-    from eagle3.regenerate import RegeneratedManifest, regenerated_conversations
-    from eagle3.store import ArtifactStore, digest_file
+    from eagle3.data.regenerate import RegeneratedManifest, regenerated_conversations
+    from eagle3.store.artifacts import ArtifactStore
+    from eagle3.store.files import digest_file
+    from eagle3.store.lineage import lineage
 
     regenerate = PipelineConfig().regenerate.model_copy(update={"enabled": True, "max_records": 12, "max_new_tokens": 16})
     config = _config(tmp_path / "store", tiny_verifier, conversations).model_copy(update={"regenerate": regenerate})
@@ -294,9 +295,10 @@ def _served_requests(base_url: str) -> float:
 def test_a_draft_trains_on_a_vllm_servers_states_and_where_the_server_is_stays_out_of_the_key(
     prefect_server, extraction_server, conversations, tmp_path
 ):
-    from eagle3.lineage import lineage
-    from eagle3.store import ArtifactStore
     from vllm_server import EXTRACTED_AUX, EXTRACTION_CONTEXT, SERVED_NAME
+
+    from eagle3.store.artifacts import ArtifactStore
+    from eagle3.store.lineage import lineage
 
     def served(base_url: str, concurrency: int) -> PipelineConfig:
         config = _config(tmp_path / "store", extraction_server.verifier_dir, conversations)

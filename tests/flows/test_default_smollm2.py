@@ -6,12 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import free_port
-from eagle3 import verifier as verifier_module
+from fingerprints import check_pinned, fingerprint_tree
+
 from eagle3.cli import main
 from eagle3.config import VerifierConfig
-from eagle3.store import ArtifactStore
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.verifier import resolve_verifier as verifier_module
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -37,6 +38,7 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     assert f"(tau_sim): {manifests['checkpoint']['tau_sim']:.3f}" in printed
     verifier = manifests["verifier"]
     assert (verifier["num_hidden_layers"], verifier["hidden_size"], verifier["vocab_size"]) == (30, 576, 49152)
+    check_pinned("verifier", fingerprint_tree(Path(verifier["path"]), tmp_path))  # the GGUF file's dequantized directory
     dataset = manifests["dataset"]
     assert dataset["num_records"] == 64 and dataset["dropped"] == {}
     assert 0 < dataset["num_supervised_tokens"] < dataset["num_tokens"]

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from eagle3 import baseline
+from eagle3.evaluation import baseline
 from tasks.baseline import measure_baselines_task
 
 

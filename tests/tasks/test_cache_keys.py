@@ -1,6 +1,6 @@
 """Every step task's cache key, and the hidden-state shard keys, pinned for fixed inputs.
 
-Keys follow what a step computes (`eagle3.versions`), never how its source is spelled or where it
+Keys follow what a step computes (`eagle3.store.versions`), never how its source is spelled or where it
 lives: these pins were written before the library was split into stage packages and still hold
 after it. A key that moves here moves for every user's store (at scale: terabytes re-extracted),
 so a change to these pins must be a deliberate version bump, or a dependency upgrade. Re-pin with
@@ -19,11 +19,20 @@ from pathlib import Path
 import pytest
 
 from eagle3.config import (
-    DatasetConfig, EndpointConfig, EvalConfig, ExportConfig, ExtractConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig,
+    DatasetConfig,
+    EndpointConfig,
+    EvalConfig,
+    ExportConfig,
+    ExtractConfig,
+    RegenerateConfig,
+    TrainConfig,
+    VerifierConfig,
+    VocabConfig,
 )
-from eagle3.extract_hidden_states import shard_key
-from eagle3.store import ArtifactManifest, ArtifactStore
-from eagle3.versions import STEPS
+from eagle3.extraction.shards import shard_key
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.manifests import ArtifactManifest
+from eagle3.store.versions import STEPS
 
 PINS = Path(__file__).resolve().parents[1] / "pinned" / "cache_keys.json"
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +106,7 @@ def test_cache_keys_are_those_pinned(tmp_path):
     )
     moved = sorted(name for name in keys if keys[name] != pinned["keys"].get(name))
     assert not moved, (
-        f"cache keys moved: {moved}. Only a change in what a step computes may move its key (bump it in eagle3/versions.py); "
+        f"cache keys moved: {moved}. Only a change in what a step computes may move its key (bump it in eagle3/store/versions.py); "
         "then re-pin with EAGLE3_REPIN=1."
     )
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from eagle3.cli import ensure_gpu_limit, main
-from tasks.gpu import GPU_LIMIT, LEASE_SECONDS, claim_gpus, gpu_slots
+from eagle3.cli import main
+from tasks.gpu import GPU_LIMIT, LEASE_SECONDS, claim_gpus, ensure_gpu_limit, gpu_slots
 
 pytestmark = pytest.mark.e2e
 
@@ -35,9 +35,8 @@ def no_gpu_limit(prefect_server):
 
 
 def test_claiming_without_the_limit_is_an_error_naming_the_fix(no_gpu_limit):
-    with pytest.raises(RuntimeError, match=r"concurrency limit 'gpu'.*`eagle3 gpu-limit`"):
-        with claim_gpus("cuda"):
-            pass
+    with pytest.raises(RuntimeError, match=r"concurrency limit 'gpu'.*`eagle3 gpu-limit`"), claim_gpus("cuda"):
+        pass
 
 
 def _slots() -> int:
@@ -94,10 +93,9 @@ def _active_slots() -> int:
 def test_a_failing_step_releases_its_slots(no_gpu_limit):
     assert main(["gpu-limit", "--gpus", "2"]) == 0
 
-    with pytest.raises(ZeroDivisionError):
-        with gpu_slots(2):
-            assert _active_slots() == 2
-            1 / 0
+    with pytest.raises(ZeroDivisionError), gpu_slots(2):
+        assert _active_slots() == 2
+        1 / 0
 
     assert _active_slots() == 0
 

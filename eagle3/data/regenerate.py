@@ -1,0 +1,322 @@
+"""Regenerate: the verifier writes the assistant turns the draft will learn from.
+
+Input records: `prompt` (one user turn), MT-bench `turns` (several user turns), or conversations
+(`messages` / ShareGPT `conversations`) whose assistant turns are replaced. Turns are generated
+in order, so each later user turn sees the regenerated earlier answers. Two backends:
+`transformers`, batched `generate` (KV cache on, left padding, prompts sorted by length) with the
+verifier loaded by the step, and `openai`, chat requests to an OpenAI-compatible server such as
+`vllm serve` (records in parallel, `endpoint.concurrency` at a time), which is how the verifier is
+used at scale. Greedy or sampled with a fixed seed; thinking (`<think>...</think>`, or a server's
+separate reasoning field) can be stripped.
+
+The transformers backend runs in attempts: one model load, then the remaining records batch by
+batch. On the claimed GPUs each attempt is a child process (`eagle3.runtime.attempts.run_attempt`), so
+its memory is gone when it exits; on CPU it runs in this process. Out of memory, an attempt stops
+and the step halves `batch_size` (down to `min_batch_size`, then fails) and retries the records
+not yet finished; each back-off is logged and listed in the manifest (`backoffs`). Batch size is
+not part of the cache key: greedy answers do not depend on it (left padding is masked), so a
+backed-off run publishes the same artifact.
+
+Output `conversations.parquet`: `id`, `messages` (list of {role, content}), `finish_reasons`
+(`stop` | `length` per generated turn). Records that fail (a prompt longer than the context, a turn
+the chat template refuses, an empty answer) are listed in the manifest with their reason, never
+silently dropped. Finished records are appended to `done.jsonl` in the work dir as they complete
+(by the attempt itself, in its child process), so a re-run after a crash, an unreachable server or
+an out-of-memory failure regenerates only what is missing; a last line cut short by a kill is
+dropped and its record redone.
+Cost: one decode per generated token.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from jinja2 import TemplateError
+from pydantic import Field
+from tqdm import tqdm
+
+from eagle3.config import RegenerateConfig
+from eagle3.data.prepare_dataset import Record, read_user_turns
+from eagle3.runtime.attempts import NO_GPU, GpuClaim, halve_after_oom, run_attempt
+from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, resolve_device
+from eagle3.runtime.faults import simulate_oom_above
+from eagle3.runtime.stopwatch import Stopwatch
+from eagle3.serving.endpoint import EndpointError, RequestRejected, chat, open_client
+from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
+from eagle3.store.done_log import DONE_LOG, append_done, read_done
+from eagle3.store.manifests import ArtifactManifest, Provenance
+from eagle3.store.versions import route
+from eagle3.verifier.loading import chat_prompt_ids, eos_token_ids, load_text_model
+from eagle3.verifier.resolve_verifier import VerifierManifest, verifier_tokenizer
+
+__all__ = ["RegeneratedManifest", "regenerate", "regenerate_provenance", "regenerated_conversations"]
+
+logger = logging.getLogger(__name__)
+
+_THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+
+
+class RegeneratedManifest(ArtifactManifest):
+    kind: str = "regenerated"
+    num_records: int
+    num_generated_tokens: int
+    failed: dict[str, str]
+    backoffs: list[dict] = []
+    gpu_memory_after_mib: dict[str, int] | None = Field(
+        None, description="memory in use on each claimed GPU once the step's processes exited"
+    )
+
+
+def regenerated_conversations(manifest: RegeneratedManifest) -> Path:
+    """The conversations file of a regeneration artifact: prepare_dataset's input."""
+    return Path(manifest.path) / "conversations.parquet"
+
+
+@torch.inference_mode()
+def _generate(model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig, device) -> list[tuple[list[int], str]]:
+    """Greedy/sampled continuations of each chat-templated prompt: (new token ids, finish reason)."""
+    width = max(map(len, prompts))
+    simulate_oom_above(len(prompts) * width, f"{len(prompts)} x {width} padded prompt tokens")  # as extraction's prefill
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    torch.manual_seed(cfg.seed)
+    sampling = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature > 0 else {"do_sample": False}
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=cfg.max_new_tokens,
+                         pad_token_id=pad, **sampling)[:, width:].tolist()
+    eos = eos_token_ids(tokenizer, model)
+    results = []
+    for tokens in out:
+        stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+        results.append((tokens[:stop], "stop") if stop is not None else (tokens, "length"))
+    return results
+
+
+def _answer_text(content: str, reasoning: str | None, strip_thinking: bool) -> str:
+    if strip_thinking:
+        return _THINK.sub("", content).strip()
+    return (f"<think>\n{reasoning}\n</think>\n\n{content}" if reasoning else content).strip()
+
+
+def _finished(record_id: str, messages: list[dict], reasons: list[str], tokens: int) -> dict:
+    return {"id": record_id, "messages": messages, "finish_reasons": reasons, "tokens": tokens}
+
+
+def _answer_batch(model, tokenizer, batch: list[Record], cfg: RegenerateConfig, device) -> list[dict]:
+    """One finished (or failed) entry per record of `batch`, generated together turn by turn."""
+    conversations = [list(system) for _, system, _ in batch]
+    reasons: list[list[str]] = [[] for _ in batch]
+    tokens = [0] * len(batch)
+    failed: dict[int, str] = {}
+    for turn in range(max(len(users) for _, _, users in batch)):
+        active = [b for b, (_, _, users) in enumerate(batch) if turn < len(users) and b not in failed]
+        if not active:  # every record with a later turn failed at an earlier one
+            break
+        prompts = {}
+        for b in active:
+            conversations[b].append({"role": "user", "content": batch[b][2][turn]})
+            try:
+                prompts[b] = chat_prompt_ids(tokenizer, conversations[b])
+            except (ValueError, TemplateError) as exc:  # e.g. a template without a system role
+                failed[b] = f"chat template refused turn {turn}: {exc}"
+        if not prompts:
+            continue
+        for b, (new, reason) in zip(prompts, _generate(model, tokenizer, list(prompts.values()), cfg, device)):
+            text = _answer_text(tokenizer.decode(new, skip_special_tokens=True), None, cfg.strip_thinking)
+            if not text:
+                failed[b] = f"empty answer at turn {turn}"
+                continue
+            conversations[b].append({"role": "assistant", "content": text})
+            reasons[b].append(reason)
+            tokens[b] += len(new)
+    return [{"id": record_id, "failed": failed[b]} if b in failed else _finished(record_id, conversations[b], reasons[b], tokens[b])
+            for b, (record_id, _, _) in enumerate(batch)]
+
+
+def _transformers_attempt(
+    todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, device: str, batch_size: int, done_log: Path, on_progress
+) -> dict | None:
+    """Answer `todo` batch by batch with one model load, appending each finished record to `done_log`.
+
+    Returns None when all are done, or {"records", "error"} at the first out-of-memory error: that
+    batch and the later ones are left to the caller, to retry with a smaller batch size (in a fresh
+    process on a GPU). `on_progress(records)` is called after each batch.
+    """
+    device = torch.device(device)
+    tokenizer = verifier_tokenizer(verifier)
+    model = load_text_model(verifier.path, compute_dtype(device), device)
+    todo = sorted(todo, key=lambda r: len(r[2][0]))
+    try:
+        with open(done_log, "a") as log:
+            for start in range(0, len(todo), batch_size):
+                batch = todo[start : start + batch_size]
+                try:
+                    answers = _answer_batch(model, tokenizer, batch, cfg, device)
+                except torch.OutOfMemoryError as exc:
+                    return {"records": [record_id for record_id, _, _ in batch], "error": str(exc).splitlines()[0]}
+                for entry in answers:
+                    append_done(log, entry)
+                on_progress(len(batch))
+    finally:
+        del model
+        free_device_memory(device)
+    return None
+
+
+def _regenerate_by_transformers(
+    todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, done_log: Path, gpus: list[str] | None, records_done
+) -> list[dict]:
+    """Run attempts until every record of `todo` is in `done_log`; the back-offs taken."""
+    device = "cuda" if gpus else str(resolve_device(cfg.device))
+    backoffs: list[dict] = []
+    batch_size = cfg.batch_size
+    while todo:
+        attempt = {"todo": todo, "cfg": cfg, "verifier": verifier, "device": device, "batch_size": batch_size, "done_log": done_log}
+        oom = run_attempt(_transformers_attempt, attempt, gpus, records_done)
+        finished = read_done(done_log, "record")
+        todo = [r for r in todo if r[0] not in finished]
+        assert oom is not None or not todo, "an attempt without an out-of-memory error left records unfinished"
+        if oom is not None:
+            batch_size = halve_after_oom(
+                "regenerate.batch_size", batch_size, cfg.min_batch_size, backoffs, oom["error"], f"on records {oom['records']}",
+                f"Finished records are kept in {done_log}: a re-run resumes there. Lower regenerate.min_batch_size "
+                "or max_new_tokens, shorten those prompts, or use a device with more memory.", records=oom["records"],
+            )
+    return backoffs
+
+
+def _answers_by_server(todo: list[Record], cfg: RegenerateConfig) -> Iterator[dict]:
+    client, _ = open_client(cfg.endpoint)
+    sampling = {"max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+
+    def answer(record: Record) -> dict:
+        record_id, system, users = record
+        messages, reasons, tokens = list(system), [], 0
+        for turn, user in enumerate(users):
+            messages.append({"role": "user", "content": user})
+            try:
+                served = chat(client, cfg.endpoint, messages, sampling)
+            except RequestRejected as exc:
+                return {"id": record_id, "failed": f"server rejected turn {turn}: {exc}"}
+            text = _answer_text(served.content, served.reasoning, cfg.strip_thinking)
+            if not text:
+                return {"id": record_id, "failed": f"empty answer at turn {turn}"}
+            messages.append({"role": "assistant", "content": text})
+            reasons.append(served.finish_reason)
+            tokens += served.completion_tokens
+        return _finished(record_id, messages, reasons, tokens)
+
+    with ThreadPoolExecutor(cfg.endpoint.concurrency) as pool:
+        futures = [pool.submit(answer, record) for record in todo]
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+
+
+def _regenerate_by_server(todo: list[Record], cfg: RegenerateConfig, done_log: Path, records_done) -> None:
+    with open(done_log, "a") as log:
+        try:
+            for entry in _answers_by_server(todo, cfg):
+                append_done(log, entry)
+                records_done(1)
+        except EndpointError as exc:
+            raise EndpointError(f"{exc} Finished records are kept in {done_log}: a re-run resumes there.") from exc
+
+
+def regenerate_provenance(store: ArtifactStore, cfg: RegenerateConfig, source: Path, verifier: VerifierManifest) -> Provenance:
+    """The step's provenance: a server's answers are keyed by its served model name, not by local code."""
+    step = route("regenerated", cfg.backend, local="transformers")
+    return step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
+
+
+def regenerate(
+    cfg: RegenerateConfig,
+    source: Path,
+    verifier: VerifierManifest,
+    store: ArtifactStore,
+    provenance: Provenance,
+    on_progress=None,
+    claim: GpuClaim = NO_GPU,
+) -> RegeneratedManifest:
+    """Have the verifier answer every user turn of `source`; publish the conversations.
+
+    `claim`: the CUDA devices to generate on (transformers backend), claimed only if records are
+    left to generate; each attempt then runs in a child process seeing only them (none claimed: in
+    this process on `cfg.device`). `on_progress(records_done, records_total)` is called as records finish.
+
+    Raises:
+        ArtifactError: a record of `source` has no user turn to answer, every record failed, or
+            `done.jsonl` is corrupt.
+        EndpointError: (backend 'openai') the server is unreachable or does not serve
+            `endpoint.model`; the records finished so far are kept for the re-run.
+        RuntimeError: (backend 'transformers') out of memory even at `cfg.min_batch_size`; the
+            records finished so far are kept for the re-run.
+    """
+    records = read_user_turns(source, cfg.max_records)
+    with store.step_work_dir(RegeneratedManifest, provenance) as (work, published):
+        if published is not None:
+            return published
+        clock = Stopwatch()  # not counting a wait for another run of this step, or for a GPU
+        done_log = work / DONE_LOG
+        done = read_done(done_log, "record")
+        todo = [r for r in records if r[0] not in done]
+        backoffs, gpu_memory_after = [], None
+        if todo:
+            with tqdm(total=len(todo), desc="regenerate", unit="rec") as progress:
+
+                def records_done(count: int) -> None:
+                    progress.update(count)
+                    if on_progress is not None:
+                        on_progress(progress.n, len(todo))
+
+                if cfg.backend == "openai":
+                    _regenerate_by_server(todo, cfg, done_log, records_done)
+                else:
+                    with clock.excluding_wait(claim()) as gpus:
+                        backoffs = _regenerate_by_transformers(todo, cfg, verifier, done_log, gpus, records_done)
+                        gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
+            done = read_done(done_log, "record")
+
+        ok = [done[r[0]] for r in records if "failed" not in done[r[0]]]
+        if records and not ok:
+            first_id = records[0][0]
+            raise ArtifactError(
+                source, f"every record failed, record id {first_id!r} with: {done[first_id]['failed']}. Nothing is published; "
+                f"the failures are kept in {done_log} (delete it to try them again)."
+            )
+        out = work / "artifact"
+        out.mkdir(exist_ok=True)
+        pq.write_table(
+            pa.table({"id": [r["id"] for r in ok], "messages": [r["messages"] for r in ok],
+                      "finish_reasons": [r["finish_reasons"] for r in ok]}),
+            out / "conversations.parquet",
+        )
+        manifest = store.publish(
+            out,
+            RegeneratedManifest(
+                **provenance.model_dump(),
+                path=out,
+                num_records=len(ok),
+                num_generated_tokens=sum(r["tokens"] for r in ok),
+                failed={r[0]: done[r[0]]["failed"] for r in records if "failed" in done[r[0]]},
+                backoffs=backoffs,
+                gpu_memory_after_mib=gpu_memory_after,
+                seconds=clock(),
+            ),
+        )
+        shutil.rmtree(work)
+        return manifest

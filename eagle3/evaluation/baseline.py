@@ -1,0 +1,240 @@
+"""Baselines: what evaluation compares a draft with, measured once per verifier and prompts.
+
+The verifier decodes each eval prompt (chat-templated) plainly greedy, which gives the reference
+output every speculative decode must equal and the speed without a draft, and with n-gram prompt
+lookup at every k in `ks`, which gives the tau of no training at all. None of it depends on the
+draft, so it is an artifact of its own: evaluating a new draft for the same verifier, prompts and
+decoding settings runs only the draft's decodes. The key holds the device type (CPU or CUDA) the
+decodes run on, since the speeds are compared with the draft's; `measured_on` names the device
+and the verifier's forward (`eagle3.verifier.forward`).
+
+Output `reference.json`: the greedy tokens of each prompt, in order; `per_prompt.json`: each
+prompt's n-gram counts at each k as tau takes them (tokens: accepted draft tokens plus one per
+verifier pass; passes), for the draft's gain measured on the same prompts (`eagle3.evaluation.tau.gain_over`).
+Each prompt's decodes are appended to `done.jsonl` in the work dir as they finish (`eagle3.store.done_log`),
+so a run killed midway resumes at its first undecoded prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from jinja2 import TemplateError
+from tqdm import tqdm
+
+from eagle3.config import EvalConfig
+from eagle3.data.prepare_dataset import read_user_turns
+from eagle3.evaluation.speculative import DecodeStats, NgramProposer, greedy_decode, speculative_decode
+from eagle3.evaluation.tau import PER_PROMPT, Counts, per_prompt_counts, read_counts, tau_from_counts, tau_standard_error
+from eagle3.runtime.attempts import NO_GPU, GpuClaim
+from eagle3.runtime.devices import in_process_device, resolve_device
+from eagle3.runtime.stopwatch import Stopwatch
+from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
+from eagle3.store.done_log import DONE_LOG, append_done, read_done
+from eagle3.store.manifests import ArtifactManifest, Provenance
+from eagle3.verifier import forward as verifier_forward
+from eagle3.verifier.capture import HiddenStateCapture
+from eagle3.verifier.loading import chat_prompt_ids, eos_token_ids, load_text_model
+from eagle3.verifier.resolve_verifier import VerifierManifest, verifier_tokenizer
+
+__all__ = [
+    "BaselineManifest", "DecodingModel", "baseline_provenance", "chat_prompts", "decode_remaining", "decode_summary", "device_name",
+    "measure_baselines", "read_prompts",
+]
+
+logger = logging.getLogger(__name__)
+REFERENCE = "reference.json"
+
+
+class BaselineManifest(ArtifactManifest):
+    kind: str = "baseline"
+    num_prompts: int
+    num_tokens: int
+    greedy_tokens_per_s: float
+    results: list[dict]  # n-gram decoding, one summary per k
+    mismatches: int  # n-gram outputs that differ from plain greedy
+    measured_on: str
+
+    def reference(self) -> list[list[int]]:
+        """The verifier's greedy tokens for each prompt."""
+        return json.loads((self.path / REFERENCE).read_text())
+
+    def counts(self, method: str, k: int) -> Counts | None:
+        """Each prompt's (tokens, verifier passes) with `method` ('ngram') at k (None: not measured)."""
+        return read_counts(self.path, method, k)
+
+
+def baseline_provenance(store: ArtifactStore, cfg: EvalConfig, verifier: VerifierManifest, prompts: Path) -> Provenance:
+    """What the baselines depend on: the verifier, the prompts by content, the decoding settings and
+    the device type, not the rest of `cfg` (the eval backend and its server measure the draft only)."""
+    return step_provenance(
+        "baseline", store, verifier=verifier, prompts=prompts, num_prompts=cfg.num_prompts,
+        max_new_tokens=cfg.max_new_tokens, ks=cfg.ks, dtype=cfg.dtype, device_type=resolve_device(cfg.device).type,
+    )
+
+
+def read_prompts(path: Path, limit: int) -> list[str]:
+    """The first user turn of each of the first `limit` records, in any prompt shape."""
+    prompts = [users[0] for _, _, users in read_user_turns(path, limit)]
+    if not prompts:
+        raise ArtifactError(path, "no prompts")
+    return prompts
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu, {torch.get_num_threads()} threads"
+
+
+@dataclass(frozen=True)
+class DecodingModel:
+    """The verifier as evaluation decodes with it, and the eval prompts as token ids."""
+
+    model: torch.nn.Module
+    device: torch.device
+    eos_ids: set[int]
+    prompts: list[list[int]]
+
+    @classmethod
+    def load(cls, verifier: VerifierManifest, prompts: list[list[int]], device: str, dtype: str) -> DecodingModel:
+        tokenizer = verifier_tokenizer(verifier)
+        resolved = resolve_device(device)
+        model = load_text_model(verifier.path, getattr(torch, dtype), resolved)
+        return cls(model, resolved, eos_token_ids(tokenizer, model), prompts)
+
+    def forward(self, capture: HiddenStateCapture | None, max_new_tokens: int):
+        """The verifier's forward for decoding these prompts, `max_new_tokens` tokens each."""
+        return verifier_forward.forward_for(self.model, capture, max(map(len, self.prompts)) + max_new_tokens, self.prompts[0])
+
+
+def chat_prompts(verifier: VerifierManifest, texts: list[str], source: Path) -> list[list[int]]:
+    """`texts`, the first user turns of `source`'s records, as the verifier's chat template prompts them;
+    done before a step claims a GPU, so a prompt the template refuses fails at once.
+
+    Raises:
+        ArtifactError: the template refuses a prompt (named by its record in `source`).
+    """
+    tokenizer = verifier_tokenizer(verifier)
+    prompts = []
+    for index, text in enumerate(texts):
+        try:
+            prompts.append(chat_prompt_ids(tokenizer, [{"role": "user", "content": text}]))
+        except (ValueError, TemplateError) as exc:
+            record_id = read_user_turns(source, index + 1)[index][0]
+            raise ArtifactError(
+                source, f"record id {record_id!r}: the verifier's chat template refused its first user turn: {exc}"
+            ) from exc
+    return prompts
+
+
+def decode_summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
+    """tau (tokens per verifier pass) and its standard error over prompts, acceptance by draft
+    position, speed and counts of `runs` (one per prompt)."""
+    passes = [a for run in runs for a in run.accepted_per_pass]
+    tokens, counts = sum(len(run.tokens) for run in runs), per_prompt_counts(runs)
+    return {
+        "method": method,
+        "k": k,
+        "tau": tau_from_counts(counts),
+        "tau_standard_error": tau_standard_error(counts),
+        "acceptance_by_position": [sum(a >= i for a in passes) / max(len(passes), 1) for i in range(1, k + 1)],
+        "tokens_per_s": tokens / sum(run.seconds for run in runs),
+        "verifier_passes": len(passes),
+        "tokens": tokens,
+    }
+
+
+def _measured_here(done: dict, measured_on: str, done_log: Path) -> dict:
+    """The finished prompts of `done` that were decoded as `measured_on` says. Those decoded on
+    another device (a run resumed on another GPU model) or with another forward are decoded again:
+    their speeds would mix into this one's."""
+    elsewhere = sorted({entry["measured_on"] for entry in done.values()} - {measured_on})
+    if elsewhere:
+        logger.warning("%s: prompts decoded on %s are decoded again on %s", done_log, " and ".join(elsewhere), measured_on)
+    return {i: entry for i, entry in done.items() if entry["measured_on"] == measured_on}
+
+
+def decode_remaining(num_prompts: int, forward, done: dict, done_log: Path, desc: str, decode) -> dict:
+    """Entries for all `num_prompts` prompts: those in `done` decoded on the device and with the kind
+    of `forward` (`eagle3.verifier.forward`), and `decode(i)` (a dict of figures) for each other
+    prompt i, appended to `done_log` as it finishes."""
+    name = f"{device_name(forward.device)}; {forward.kind}"
+    done = _measured_here(done, name, done_log)
+    with open(done_log, "a") as log, tqdm(total=num_prompts, initial=len(done), desc=desc, unit="prompt") as bar:
+        for i in range(num_prompts):
+            if i not in done:
+                done[i] = {"id": i, "measured_on": name, **decode(i)}
+                append_done(log, done[i])
+                bar.update()
+    return done
+
+
+def _decode_prompts(on: DecodingModel, cfg: EvalConfig, done: dict, done_log: Path) -> dict:
+    """Plain greedy and n-gram decodes of every prompt not in `done`; all entries."""
+    forward = on.forward(None, cfg.max_new_tokens)
+
+    def decode(i: int) -> dict:
+        prompt = on.prompts[i]
+        greedy = greedy_decode(forward, prompt, cfg.max_new_tokens, on.eos_ids)
+        ngram = {k: speculative_decode(forward, NgramProposer(), prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
+        return {"greedy": asdict(greedy), "ngram": {str(k): asdict(stats) for k, stats in ngram.items()}}
+
+    return decode_remaining(len(on.prompts), forward, done, done_log, "baselines", decode)
+
+
+def measure_baselines(
+    cfg: EvalConfig, verifier: VerifierManifest, prompts_path: Path, store: ArtifactStore, provenance: Provenance, claim: GpuClaim = NO_GPU
+) -> BaselineManifest:
+    """Decode the first `cfg.num_prompts` prompts plainly greedy and with n-gram lookup at each of
+    `cfg.ks`, `cfg.max_new_tokens` tokens each, on the claimed GPU (none claimed: `cfg.device`).
+    Each prompt's decodes are logged as they finish: a run killed midway resumes at the next prompt,
+    and claims no GPU if none is left.
+
+    Raises:
+        ArtifactError: the prompts file or the log of finished prompts is malformed, or the
+            verifier's chat template refuses a prompt.
+    """
+    prompts = chat_prompts(verifier, read_prompts(prompts_path, cfg.num_prompts), prompts_path)
+    with store.step_work_dir(BaselineManifest, provenance) as (work, published):
+        if published is not None:
+            return published
+        clock = Stopwatch()  # not counting a wait for another run of this step, or for a GPU
+        done_log = work / DONE_LOG
+        done = read_done(done_log, "prompt")
+        if len(done) < len(prompts):
+            with clock.excluding_wait(claim()) as gpus:
+                on = DecodingModel.load(verifier, prompts, in_process_device(gpus, cfg.device), cfg.dtype)
+                done = _decode_prompts(on, cfg, done, done_log)
+        entries = [done[i] for i in range(len(prompts))]
+        references = [DecodeStats(**entry["greedy"]) for entry in entries]
+        ngram = {k: [DecodeStats(**entry["ngram"][str(k)]) for entry in entries] for k in cfg.ks}
+        mismatches = sum(run.tokens != reference.tokens for runs in ngram.values() for run, reference in zip(runs, references))
+        if mismatches:
+            logger.warning("%d n-gram decodes differ from plain greedy decoding (numerical ties?)", mismatches)
+        out = work / "artifact"
+        out.mkdir(exist_ok=True)
+        (out / REFERENCE).write_text(json.dumps([r.tokens for r in references]))
+        (out / PER_PROMPT).write_text(json.dumps({"ngram": {k: per_prompt_counts(runs) for k, runs in ngram.items()}}))
+        num_tokens = sum(len(r.tokens) for r in references)
+        manifest = store.publish(
+            out,
+            BaselineManifest(
+                **provenance.model_dump(),
+                path=out,
+                num_prompts=len(prompts),
+                num_tokens=num_tokens,
+                greedy_tokens_per_s=num_tokens / sum(r.seconds for r in references),
+                results=[decode_summary("ngram", k, runs) for k, runs in ngram.items()],
+                mismatches=mismatches,
+                measured_on=entries[0]["measured_on"],
+                seconds=clock(),
+            ),
+        )
+        shutil.rmtree(work)
+        return manifest

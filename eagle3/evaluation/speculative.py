@@ -1,0 +1,94 @@
+"""Greedy speculative decoding with a transformers verifier: the measurement behind `evaluate`.
+
+Each round the proposer drafts up to k tokens after the last confirmed token; the verifier
+scores them in one forward pass (KV cache on) and keeps the longest prefix that matches its own
+argmax, plus one token of its own. Output is therefore token-for-token what plain greedy
+decoding produces; tau (tokens per verifier pass) is what the draft buys.
+
+A proposer drafts from the context (and, for an EAGLE-3 draft, the verifier's aux hidden states,
+which it is shown as they come): `NgramProposer` here (prompt lookup: the baseline that needs no
+trained draft), `eagle3.evaluation.draft_proposer.Eagle3Proposer` for a trained draft.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["DecodeStats", "NgramProposer", "greedy_decode", "speculative_decode"]
+
+
+@dataclass
+class DecodeStats:
+    tokens: list[int]
+    verifier_passes: int = 0
+    accepted_per_pass: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens, propose what followed."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, aux_states: torch.Tensor | None) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(context) <= n:
+                continue
+            tail = context[-n:]
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start : start + n] == tail:
+                    return context[start + n : start + n + k]
+        return []
+
+
+@torch.inference_mode()
+def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int, k: int, eos_ids: set[int]) -> DecodeStats:
+    """Generate greedily with drafts from `proposer`; stops at an EOS token or `max_new_tokens`.
+    `forward`: the verifier's (`eagle3.verifier.forward`), whose aux hidden states an EAGLE-3 proposer
+    reads (none for n-gram)."""
+    start = time.perf_counter()
+    forward.reset()
+    proposer.reset()
+    argmax, aux = forward(prompt)
+    proposer.observe(aux)
+    context = prompt + [argmax[-1]]
+    stats = DecodeStats(tokens=[argmax[-1]])
+    while len(stats.tokens) < max_new_tokens and stats.tokens[-1] not in eos_ids:
+        drafts = proposer.propose(context, min(k, max_new_tokens - len(stats.tokens)))
+        argmax, aux = forward([context[-1], *drafts])
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == argmax[accepted]:
+            accepted += 1
+        new = drafts[:accepted] + [argmax[accepted]]
+        forward.rollback(len(drafts) - accepted)
+        proposer.observe(None if aux is None else aux[: accepted + 1])
+        stats.verifier_passes += 1
+        stats.accepted_per_pass.append(accepted)
+        for token in new:
+            if len(stats.tokens) >= max_new_tokens or stats.tokens[-1] in eos_ids:
+                break
+            stats.tokens.append(token)
+            context.append(token)
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+@torch.inference_mode()
+def greedy_decode(forward, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeStats:
+    """Plain greedy decoding, one verifier pass per token: the reference output and speed."""
+    start = time.perf_counter()
+    forward.reset()
+    tokens = [forward(prompt)[0][-1]]
+    while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
+        tokens.append(forward([tokens[-1]])[0][0])
+    return DecodeStats(tokens=tokens, verifier_passes=len(tokens), seconds=time.perf_counter() - start)

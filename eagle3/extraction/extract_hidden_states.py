@@ -1,0 +1,319 @@
+"""Extract hidden states: run the verifier over every prepared sample and keep what the draft reads.
+
+Samples are grouped `records_per_shard` to a shard, in dataset order. A shard is content-addressed:
+its key hashes the verifier digest, the aux layer ids, the route's code version
+(`eagle3.store.versions`; from a server, the served model name too) and the token ids of its samples,
+and it lives in the store's `shards/<key>/` where any run can reuse it. So appending records to
+a dataset extracts only the new (and the last, now longer) shards, and a killed run resumes at
+the first unfinished shard. Shard files `hs_{j}.safetensors` (j: position in the shard) hold
+speculators' format: `hidden_states` [seq, 4, H] bf16 (3 aux layers, then the final pre-norm
+state) and `token_ids` [seq] int64. A shard is written under `<key>.partial/` and
+renamed into place only once every file has been checked (values finite before writing; fields,
+shape and token ids as written). The artifact itself is `shards.json`: each shard's key, first
+record and file digests.
+
+Samples are sorted by length and padded into prefill batches of at most `prefill_batch_tokens`
+(padded) tokens; right padding under a causal mask leaves the real tokens' states unchanged,
+so results match batch size 1 within bf16 rounding. Host copies and file writes run on worker
+threads while the device computes the next batch. Cost: one verifier forward per token; storage
+8*H bytes per token (SmolLM2-135M: 4.6 KB/token; Llama-3.1-8B: 32 KB/token).
+
+Backend `vllm` asks a vLLM server for each sample's states instead (`eagle3.extraction.served`)
+and writes, checks and publishes them the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eagle3.config import ConfigError, EndpointConfig, ExtractConfig
+from eagle3.data.prepare_dataset import DatasetManifest, load_dataset_table
+from eagle3.extraction.served import ServedStates
+from eagle3.extraction.shards import HiddenStatesManifest, code_step, hs_path, shard_key, shard_lock, shard_lock_if_free, verify_shard
+from eagle3.extraction.writer import OverlappedWriter
+from eagle3.runtime.attempts import NO_GPU, GpuClaim, halve_after_oom, run_attempt
+from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, resolve_device
+from eagle3.runtime.faults import simulate_oom_above
+from eagle3.runtime.stopwatch import Stopwatch
+from eagle3.store.artifacts import ArtifactStore, step_provenance
+from eagle3.store.files import atomic_write_text
+from eagle3.store.manifests import Provenance
+from eagle3.verifier.capture import HiddenStateCapture
+from eagle3.verifier.loading import load_text_model
+from eagle3.verifier.resolve_verifier import VerifierManifest
+
+__all__ = ["extract_hidden_states", "extraction_provenance", "resolve_aux_layer_ids"]
+
+
+def resolve_aux_layer_ids(ids: list[int] | None, num_layers: int, verifier: Path) -> list[int]:
+    """Aux ids, defaulting to speculators' [2, n//2, n-3]; each must lie in [0, n-1].
+
+    Raises:
+        ConfigError: an id is out of range for this verifier (the final layer n is always added).
+    """
+    resolved = ids if ids is not None else [2, num_layers // 2, num_layers - 3]
+    bad = [i for i in resolved if not 0 <= i < num_layers]
+    if bad or len(set(resolved)) != 3:
+        raise ConfigError(
+            f"extract.aux_layer_ids = {resolved}: verifier '{verifier}' has {num_layers} layers, so ids "
+            f"must be 3 distinct values in 0..{num_layers - 1} (out of range: {bad}); "
+            f"{num_layers} (the final state) is always added. Set extract.aux_layer_ids explicitly."
+        )
+    return resolved
+
+
+def _batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Longest-first batches whose padded size (count x longest) stays within `budget` tokens."""
+    order = sorted(indices, key=lambda i: -lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@torch.inference_mode()
+def _extract_shard(decoder, capture, writer, shard_dir, indices, input_ids, budget, device, progress) -> None:
+    lengths = {i: len(input_ids[i]) for i in indices}
+    for batch in _batches(indices, lengths, budget):
+        width = lengths[batch[0]]
+        simulate_oom_above(len(batch) * width, f"{len(batch) * width} padded tokens")
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, : lengths[i]] = torch.tensor(input_ids[i])
+            mask[row, : lengths[i]] = 1
+        decoder(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+        rows = [(hs_path(shard_dir, i - indices[0]), ids[row, : lengths[i]].clone()) for row, i in enumerate(batch)]
+        writer.submit(capture.stacked(), rows)
+        capture.states.clear()
+        progress.update(sum(lengths[i] for i in batch))
+    writer.drain()
+
+
+def _extract_served_shard(source, writer, shard_dir, indices, input_ids, record_ids, progress) -> None:
+    def write(i: int, states: torch.Tensor) -> None:
+        writer.submit(states.unsqueeze(0), [(hs_path(shard_dir, i - indices[0]), torch.tensor(input_ids[i]))])
+        progress.update(len(input_ids[i]))
+
+    source.extract([(i, record_ids[i], input_ids[i]) for i in indices], write)
+    writer.drain()
+
+
+def extraction_provenance(store: ArtifactStore, cfg: ExtractConfig, dataset: DatasetManifest, verifier: VerifierManifest) -> Provenance:
+    """The step's provenance, of the route that computes the states (as each shard's key is)."""
+    return step_provenance(code_step(cfg), store, cfg=cfg, dataset=dataset, verifier=verifier)
+
+
+def _extract_attempt(
+    dataset: DatasetManifest,
+    verifier: VerifierManifest,
+    aux: list[int],
+    device: str,
+    shard_root: Path,
+    todo: list[tuple[int, str, list[int]]],
+    budget: int,
+    served: EndpointConfig | None,
+    on_progress,
+) -> dict:
+    """Extract the `todo` shards (index, key, record indices) in order with one model load,
+    skipping those another run is extracting (the model loads at the first shard this run takes,
+    so an attempt that finds every shard taken never loads it).
+
+    Returns {"busy": indices skipped, "oom": None or {"shard", "error"}}: at the first out-of-memory
+    error the attempt stops and the caller retries the shards left with a smaller budget, in a
+    fresh process on a GPU. `served`: ask that server for the states instead (nothing runs out of
+    memory here).
+    `on_progress(shard index, extracted)` after each shard; `extracted` is False for a shard
+    another run finished since the caller listed it.
+    """
+    device = torch.device(device)
+    table = load_dataset_table(dataset)
+    input_ids: list[list[int]] = table.column("input_ids").to_pylist()
+    record_ids: list[str] = table.column("record_id").to_pylist()
+    decoder = capture = source = None
+    if served is not None:
+        source = ServedStates(served, len(aux) + 1, verifier.hidden_size)
+        source.check_fit([(i, record_ids[i], input_ids[i]) for _, _, shard in todo for i in shard])
+    writer = OverlappedWriter(device)
+    busy, oom = [], None
+    try:
+        with tqdm(total=sum(len(input_ids[i]) for _, _, shard in todo for i in shard), desc="extract hidden states", unit="tok") as progress:
+            for k, key, shard in todo:
+                tokens = sum(len(input_ids[i]) for i in shard)
+                with shard_lock_if_free(shard_root, key) as mine:
+                    if not mine:
+                        busy.append(k)
+                        progress.total -= tokens
+                        continue
+                    if (shard_root / key / "done.json").exists():  # another run finished it since it was listed
+                        progress.update(tokens)
+                        on_progress(k, False)
+                        continue
+                    partial = shard_root / f"{key}.partial"
+                    if partial.exists():
+                        shutil.rmtree(partial)  # left by a killed run: the shard is the unit of resume
+                    partial.mkdir()
+                    if source is None and decoder is None:
+                        decoder = load_text_model(verifier.path, compute_dtype(device), device).get_decoder()
+                        capture = HiddenStateCapture(decoder, aux)
+                    try:
+                        if source is not None:
+                            _extract_served_shard(source, writer, partial, shard, input_ids, record_ids, progress)
+                        else:
+                            _extract_shard(decoder, capture, writer, partial, shard, input_ids, budget, device, progress)
+                    except BaseException as exc:
+                        writer.discard()  # its queued writes land before the lock lets another run at the shard
+                        if not isinstance(exc, torch.OutOfMemoryError):
+                            raise
+                        oom = {"shard": k, "error": str(exc).splitlines()[0]}
+                        break
+                    verify_shard(partial, [input_ids[i] for i in shard], len(aux) + 1, verifier.hidden_size)
+                    digests = {p.name: writer.digests.pop(p) for p in sorted(writer.digests) if p.parent == partial}
+                    atomic_write_text(partial / "done.json", json.dumps({"sha256": digests}, indent=0))
+                    os.replace(partial, shard_root / key)
+                on_progress(k, True)
+    finally:
+        writer.close()
+        if capture is not None:
+            capture.states.clear()
+            capture.close()
+        del decoder, capture, writer, source
+        free_device_memory(device)
+    return {"busy": busy, "oom": oom}
+
+
+def extract_hidden_states(
+    cfg: ExtractConfig,
+    dataset: DatasetManifest,
+    verifier: VerifierManifest,
+    store: ArtifactStore,
+    provenance: Provenance,
+    on_progress=None,
+    claim: GpuClaim = NO_GPU,
+) -> HiddenStatesManifest:
+    """Extract every shard of `dataset` not already in the store, then publish the shard list.
+
+    `claim`: the CUDA devices to extract on, claimed only if a shard is left to extract; each
+    attempt then runs in a child process seeing only them (none claimed: in this process on
+    `cfg.device`); backend `vllm` claims nothing (the server has its GPUs) and runs here. Shards,
+    not the step, are locked: a run skips the shards another run is extracting, then releases its
+    claim and waits for them, claiming again for any whose run died.
+    `on_progress(tokens_done, tokens_total)` is called after each finished shard.
+
+    Raises:
+        ConfigError: aux layer ids out of range for the verifier; (backend `vllm`) a record longer
+            than the server's context, named before any request (or when the server refuses it).
+        ArtifactError: a written file fails verification.
+        RuntimeError: out of memory even at `cfg.min_prefill_batch_tokens`.
+        EndpointError: (backend `vllm`) the server is unreachable, not set up to extract, or
+            wrote states of other layers or where this host cannot read them.
+    Whatever stops the step, finished shards are kept for the re-run.
+    """
+    clock = Stopwatch()
+    served = cfg.endpoint if cfg.backend == "vllm" else None
+    if served is not None:
+        claim = NO_GPU
+    aux = resolve_aux_layer_ids(cfg.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
+    input_ids: list[list[int]] = load_dataset_table(dataset).column("input_ids").to_pylist()
+    size = cfg.records_per_shard
+    shards = [list(range(s, min(s + size, len(input_ids)))) for s in range(0, len(input_ids), size)]
+    keys = [shard_key(cfg, verifier, aux, [input_ids[i] for i in shard]) for shard in shards]
+    shard_root = store.root / "shards"
+    shard_root.mkdir(exist_ok=True)
+
+    def finished(k: int) -> bool:
+        return (shard_root / keys[k] / "done.json").exists()
+
+    todo = [k for k in range(len(shards)) if not finished(k)]
+    total = sum(len(input_ids[i]) for k in todo for i in shards[k])
+    done = extracted = 0
+    reported: set[int] = set()
+
+    def shard_done(k: int, by_this_run: bool) -> None:
+        nonlocal done, extracted
+        reported.add(k)
+        done += sum(len(input_ids[i]) for i in shards[k])
+        extracted += by_this_run
+        if on_progress is not None:
+            on_progress(done, total)
+
+    def unfinished(ks: list[int]) -> list[int]:
+        """`ks` less the finished shards; those another run finished count as reused."""
+        left = []
+        for k in ks:
+            if not finished(k):
+                left.append(k)
+            elif k not in reported:
+                shard_done(k, False)
+        return left
+
+    backoffs: list[dict] = []
+    gpu_memory_after = None
+    budget = cfg.prefill_batch_tokens
+
+    def free(k: int) -> bool:
+        with shard_lock_if_free(shard_root, keys[k]) as mine:
+            return mine
+
+    while todo := unfinished(todo):
+        if any(free(k) for k in todo):  # else other runs are extracting every shard left: no claim
+            with clock.excluding_wait(claim()) as gpus:
+                device = "cuda" if gpus else "cpu" if served else str(resolve_device(cfg.device))
+                busy: list[int] = []
+                while (todo := unfinished(todo)) and not set(todo) <= set(busy):
+                    attempt = {"dataset": dataset, "verifier": verifier, "aux": aux, "device": device, "shard_root": shard_root,
+                               "todo": [(k, keys[k], shards[k]) for k in todo], "budget": budget, "served": served}
+                    outcome = run_attempt(_extract_attempt, attempt, gpus, shard_done)
+                    busy = outcome["busy"]
+                    if (oom := outcome["oom"]) is not None:
+                        budget = halve_after_oom(
+                            "extract.prefill_batch_tokens", budget, cfg.min_prefill_batch_tokens, backoffs, oom["error"],
+                            f"in shard {oom['shard']}", "Finished shards are kept. Lower dataset.max_seq_len or "
+                            "extract.min_prefill_batch_tokens, or use a device with more memory.", shard=oom["shard"],
+                        )
+                    elif not set(unfinished(todo)) <= set(busy):
+                        raise RuntimeError("an extraction attempt ended without an error but left free shards unfinished")
+                gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
+        for k in unfinished(todo):  # shards other runs are extracting: waited for without a GPU, not counted as this step's time
+            with clock.excluding_wait(shard_lock(shard_root, keys[k])):
+                pass
+            if not finished(k):
+                break  # its run died: claim again for it
+
+    listing = [
+        {"key": key, "first_record": shard[0], "num_records": len(shard),
+         "sha256": json.loads((shard_root / key / "done.json").read_text())["sha256"]}
+        for key, shard in zip(keys, shards)
+    ]
+    with store.work_dir("hidden_states", provenance.key) as work:
+        atomic_write_text(work / "shards.json", json.dumps(listing, indent=0))
+        return store.publish(
+            work,
+            HiddenStatesManifest(
+                **provenance.model_dump(),
+                path=work,
+                aux_layer_ids=aux,
+                hidden_size=verifier.hidden_size,
+                num_records=len(input_ids),
+                num_tokens=sum(map(len, input_ids)),
+                shards=[{k: v for k, v in entry.items() if k != "sha256"} for entry in listing],
+                extracted_shards=extracted,
+                reused_shards=len(keys) - extracted,
+                backoffs=backoffs,
+                gpu_memory_after_mib=gpu_memory_after,
+                seconds=clock(),
+            ),
+        )
+
+

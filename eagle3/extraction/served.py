@@ -1,0 +1,228 @@
+"""Hidden states from a vLLM server (`extract.backend=vllm`): how a verifier too large to load in
+the step (a 70B model over tensor parallelism, an MoE over expert parallelism) is extracted.
+
+The server runs vLLM's `extract_hidden_states` speculative method with a hidden-states KV
+connector (`server_args`, printed by `eagle3 extraction-server`): for each request it writes the
+prompt's states at the given layers to a safetensors file, `hidden_states [seq, layers, H]` and
+`token_ids`, and answers with the file's path. This module asks for one sample per request with
+speculators' own response parsing and file lock, reads the file and removes it. The server must
+write where this host reads (one host, or a shared filesystem). The layers are fixed when the
+server starts; a file's layer count and width are checked, not which layers they are. vLLM's
+stock connector copies through CUDA streams; on a CPU-only server `eagle3.vllm_cpu_connector`
+stands in for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
+from pathlib import Path
+
+import openai
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from speculators.data_generation.offline import check_hidden_states
+from speculators.data_generation.vllm_client import InvalidResponseError, extract_output, wait_for_lock
+
+from eagle3.config import ConfigError, EndpointConfig
+from eagle3.serving.endpoint import EndpointError, RequestRejected, open_client, request
+
+__all__ = ["ServedStates", "read_states", "server_args"]
+
+Sample = tuple[int, str, list[int]]  # index in the dataset, record id, token ids
+
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+CPU_CONNECTOR = "CpuHiddenStatesConnector"  # in eagle3/extraction/vllm_cpu_connector.py
+LOCK_TIMEOUT_S = 600.0  # the server holds a file's lock while it writes the file
+
+
+def server_args(layer_ids: list[int], storage_dir: Path, cpu: bool = False) -> list[str]:
+    """The `vllm serve` flags that make a server extract the states at `layer_ids` (the aux layers,
+    then the final one: vLLM's state at layer n is the pre-norm output, as the draft needs) into
+    files under `storage_dir`. `cpu`: the connector for a CPU-only server, which needs the
+    repository on the server's PYTHONPATH."""
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+    }
+    connector = {
+        "kv_connector": CPU_CONNECTOR if cpu else STOCK_CONNECTOR,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
+    }
+    if cpu:
+        connector["kv_connector_module_path"] = "eagle3.extraction.vllm_cpu_connector"
+    return ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(connector)]
+
+
+def read_states(path: str, token_ids: list[int], shape: tuple[int, int], source: str, lock_timeout_s: float = LOCK_TIMEOUT_S) -> torch.Tensor:
+    """The states `[seq, *shape]` in the file a server wrote for `token_ids`, once its writer lets
+    go of the file's lock; the file is removed whatever happens. `source` names the sample and
+    server in errors.
+
+    Raises:
+        EndpointError: the file cannot be read here (not shared, no permission, never written),
+            or holds other tokens, non-finite values or another (layers, H) than `shape`.
+    """
+    _wait_for_writer(path, source, lock_timeout_s)
+    try:
+        data = load_file(path)
+    except (OSError, SafetensorError) as exc:
+        raise _unreadable(path, source, exc) from exc
+    finally:
+        _remove(path)
+    try:
+        check_hidden_states(data, token_ids)
+    except ValueError as exc:
+        raise EndpointError(f"{path} ({source}): {exc}") from exc
+    states = data["hidden_states"]
+    if tuple(states.shape[1:]) != shape:
+        raise EndpointError(
+            f"{path} ({source}): field 'hidden_states' holds {tuple(states.shape[1:])} (layers, H) per token, "
+            f"expected {shape}: start the server with the flags of `eagle3 extraction-server`, for this "
+            "verifier and extract.aux_layer_ids."
+        )
+    return states
+
+
+def _wait_for_writer(path: str, source: str, lock_timeout_s: float) -> None:
+    """Return once the server's writer has let go of the file's lock.
+
+    Raises:
+        EndpointError: the lock is still held after `lock_timeout_s` (the file is left to its
+            writer: removed now, it would be written afterwards and never removed), or cannot be
+            opened here (the file and its lock are removed).
+    """
+    try:
+        if os.path.exists(path + ".lock"):
+            wait_for_lock(path + ".lock", timeout=lock_timeout_s)
+    except TimeoutError as exc:
+        raise EndpointError(
+            f"{path} ({source}): the server still held {path}.lock after {lock_timeout_s:g} s; delete the "
+            "file and its lock once the server is done with it."
+        ) from exc
+    except OSError as exc:
+        _remove(path)
+        raise _unreadable(path, source, exc) from exc
+
+
+def _unreadable(path: str, source: str, exc: Exception) -> EndpointError:
+    return EndpointError(
+        f"{path} ({source}): {type(exc).__name__}: {exc}. The server's connector writes there "
+        "(shared_storage_path): it must be a directory this host sees and may write, with files "
+        "this user may read (run the server as the same user); the server's log says whether it "
+        "failed to write the file."
+    )
+
+
+def _remove(path: str) -> None:
+    for leftover in (path, path + ".lock"):
+        with suppress(OSError):
+            os.remove(leftover)
+
+
+def prefill(client: openai.OpenAI, cfg: EndpointConfig, token_ids: list[int]):
+    """A one-token completion of the prompt `token_ids`, answered with the prompt's ids: how an
+    extracting server is asked for a sample's states.
+
+    Raises:
+        RequestRejected: the server refused this request (its message says why).
+        EndpointError: the server could not answer after the retries.
+    """
+    return request(
+        cfg,
+        lambda: client.completions.create(model=cfg.model, prompt=token_ids, max_tokens=1, extra_body={"return_token_ids": True}),
+    )
+
+
+def _too_long(record_id: str, index: int, num_tokens: int, reason: str) -> ConfigError:
+    return ConfigError(
+        f"record {record_id!r} (sample {index}, {num_tokens} tokens): {reason}. Serve with a --max-model-len "
+        "above dataset.max_seq_len, or lower dataset.max_seq_len."
+    )
+
+
+class ServedStates:
+    """A client of an extracting server, checked to serve `cfg.model`; `states` per sample."""
+
+    def __init__(self, cfg: EndpointConfig, num_slots: int, hidden_size: int):
+        self.cfg = cfg
+        self.client, listing = open_client(cfg)
+        self.max_model_len: int | None = getattr(listing, "max_model_len", None)  # tokens a request takes, where the server says
+        self.shape = (num_slots, hidden_size)
+
+    def check_fit(self, samples: list[Sample]) -> None:
+        """Name the first sample longer than the server takes (with the one token it answers) before
+        any request, not hours into the step.
+
+        Raises:
+            ConfigError: a sample is too long for the server's context.
+        """
+        for index, record_id, token_ids in samples:
+            if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
+                reason = f"the server takes {self.max_model_len} tokens a request, the sample and one answered token"
+                raise _too_long(record_id, index, len(token_ids), reason)
+
+    def extract(self, samples: list[Sample], write: Callable[[int, torch.Tensor], None]) -> None:
+        """`write(index, states)` for each sample in order, `endpoint.concurrency` requests in
+        flight; at most twice that many answers wait in memory. At the first failure the requests
+        not yet sent are dropped and the failure is raised.
+
+        Raises:
+            ConfigError: the server refused a sample (longer than its context), named.
+            EndpointError: as `states`.
+        """
+
+        def states(sample: Sample) -> torch.Tensor:
+            index, record_id, token_ids = sample
+            try:
+                return self.states(token_ids, f"record {record_id!r}")
+            except RequestRejected as exc:
+                raise _too_long(record_id, index, len(token_ids), f"the server refused it: {exc}") from exc
+
+        asked: deque[tuple[int, Future]] = deque()
+
+        def write_oldest() -> None:
+            index, answer = asked.popleft()
+            write(index, answer.result())
+
+        with ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="hs-request") as pool:
+            try:
+                for sample in samples:
+                    asked.append((sample[0], pool.submit(states, sample)))
+                    if len(asked) >= 2 * self.cfg.concurrency:
+                        write_oldest()
+                while asked:
+                    write_oldest()
+            except BaseException:
+                for _, answer in asked:
+                    answer.cancel()
+                raise
+
+    def states(self, token_ids: list[int], sample: str) -> torch.Tensor:
+        """The sample's states `[seq, num_slots, H]`, in the server's dtype.
+
+        Raises:
+            RequestRejected: the server refused the sample (longer than its context).
+            EndpointError: the server is unreachable or not set up to extract, or its file cannot
+                be read here or holds something else (`read_states`).
+        """
+        response = prefill(self.client, self.cfg, token_ids)
+        try:
+            path, _ = extract_output(response, token_ids)
+        except InvalidResponseError as exc:
+            if written := (getattr(response, "kv_transfer_params", None) or {}).get("hidden_states_path"):
+                with suppress(EndpointError):  # states of other tokens: unread, removed once written
+                    _wait_for_writer(written, sample, LOCK_TIMEOUT_S)
+                    _remove(written)
+            raise EndpointError(
+                f"{self.cfg.base_url}: {sample}: {exc}. Is the server started with the flags of "
+                "`eagle3 extraction-server` (method extract_hidden_states and a hidden-states connector)?"
+            ) from exc
+        return read_states(path, token_ids, self.shape, f"{sample}, from {self.cfg.base_url}")

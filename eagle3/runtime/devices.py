@@ -1,0 +1,99 @@
+"""Devices: where a step runs, in what precision, which of this host's GPUs are free, and what
+they hold. Every GPU step stands on these; nothing here imports the rest of the pipeline."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+
+from eagle3.runtime.locks import exclusive_if_free
+
+__all__ = [
+    "compute_dtype",
+    "free_device_memory",
+    "gpu_memory_used_mib",
+    "host_gpu_ids",
+    "in_process_device",
+    "lock_free_gpus",
+    "resolve_device",
+]
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto`: CUDA where torch sees a GPU, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on accelerators; float32 on CPU, where bf16 matmuls fall back to torch's scalar
+    reference kernel unless the CPU has AVX512-BF16 or AMX: several times slower than float32."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def free_device_memory(device) -> None:
+    """Return what an attempt held to the device: collect the dropped tensors (an out-of-memory
+    exception's frames pin them until collected), then empty torch's CUDA cache."""
+    import gc
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def gpu_memory_used_mib(devices: list[str]) -> dict[str, int] | None:
+    """Memory in use on each device as the driver reports it (nvidia-smi), without creating a CUDA
+    context here; None where nvidia-smi is not available."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits", "-i", ",".join(devices)],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [[field.strip() for field in line.split(",")] for line in out.strip().splitlines()]
+    return {index: int(mib) for index, _uuid, mib in rows}
+
+
+def host_gpu_ids() -> list[str]:
+    """This host's GPUs as CUDA_VISIBLE_DEVICES names them (respecting an existing restriction)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def in_process_device(devices: list[str] | None, fallback: str) -> str:
+    """The torch device for work that stays in this process: the first claimed GPU, indexed as this
+    process sees it (`fallback` when nothing was claimed)."""
+    return fallback if devices is None else f"cuda:{host_gpu_ids().index(devices[0])}"
+
+
+@contextmanager
+def lock_free_gpus(candidates: list[str], count: int, lock_dir: Path | None = None, timeout_s: float = 3600) -> Iterator[list[str]]:
+    """Hold `count` of `candidates` that no other process on this host holds, by a lock per device
+    (`eagle3.runtime.locks`: dropped at once when a holder dies). Waits while too few are free."""
+    if count > len(candidates):
+        raise RuntimeError(f"{count} GPU(s) requested but this host has {len(candidates)}: {candidates}")
+    lock_dir = lock_dir or Path(tempfile.gettempdir()) / "eagle3-gpu-locks"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with ExitStack() as held:
+            devices = []
+            for device in candidates:
+                if len(devices) < count and held.enter_context(exclusive_if_free(lock_dir / f"gpu-{device}.lock", remove=False)):
+                    devices.append(device)
+            if len(devices) == count:
+                yield devices
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {count} free GPU(s) among {candidates} after {timeout_s:.0f} s (locks in {lock_dir})")
+        time.sleep(1.0)

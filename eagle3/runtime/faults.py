@@ -1,0 +1,20 @@
+"""Failures made to happen on purpose, so the recovery paths run deterministically without the hardware."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["FAULT_OOM_ENV", "simulate_oom_above"]
+
+# Raise the real torch.OutOfMemoryError for any prefill (or training, or regeneration) batch above
+# this many tokens, so the back-off paths run without a GPU.
+FAULT_OOM_ENV = "EAGLE3_FAULT_OOM_ABOVE_TOKENS"
+
+
+def simulate_oom_above(tokens: int, what: str) -> None:
+    """Raise torch.OutOfMemoryError if `tokens` exceeds the `FAULT_OOM_ENV` limit (when set)."""
+    limit = os.environ.get(FAULT_OOM_ENV)
+    if limit and tokens > int(limit):
+        import torch
+
+        raise torch.OutOfMemoryError(f"simulated out of memory: {what} > {FAULT_OOM_ENV}={limit}")

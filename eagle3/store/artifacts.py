@@ -1,0 +1,200 @@
+"""Content-addressed artifact store.
+
+Layout under the store root:
+
+    artifacts/<digest>/            one finished artifact; `manifest.json` is written last
+    work/<step>-<key>/             a step's unfinished output, kept across crashes for resume
+    locks/                         a lock file per work directory or hidden-state shard in use (or left by a killed run)
+    published/<kind>-<key>         the digest of the artifact published for a step's provenance key
+    compile-cache/                 torch.compile's cache for GPU training (TORCHINDUCTOR_CACHE_DIR)
+    file-digests.json              memo of streamed file digests by (path, size, mtime)
+
+An artifact's digest is the sha256 over its files' relative paths and contents, so two runs
+that produce the same bytes share one directory. Publishing is a rename of a finished work
+directory whose files are on disk (fsynced), so a reader never sees half an artifact, even
+after a power loss. A step holds its work directory's lock while it runs: two runs of a step on
+the same inputs take turns instead of writing into one directory, and the later one returns what
+the earlier one published (`step_work_dir`) instead of doing the step again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from eagle3.runtime.locks import exclusive
+from eagle3.store.files import TEMP_SUFFIX, atomic_write_text, digest_file, fsync
+from eagle3.store.manifests import MANIFEST, ArtifactManifest, Producer, Provenance
+from eagle3.store.versions import code_version
+
+__all__ = ["PUBLISHED", "SERVED_STATES", "ArtifactError", "ArtifactStore", "digest_tree", "step_provenance"]
+
+PUBLISHED = "published"  # <kind>-<provenance key> -> digest of the artifact published for it
+SERVED_STATES = "served-states"  # where an extracting vLLM server writes states files by default (`eagle3 extraction-server`)
+
+M = TypeVar("M", bound="ArtifactManifest")
+logger = logging.getLogger(__name__)
+
+
+class ArtifactError(RuntimeError):
+    """An artifact or input file is missing, unreadable or inconsistent."""
+
+    def __init__(self, path: Path | str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = Path(path)
+        self.message = message
+
+    def __reduce__(self):  # pickles across the child processes GPU steps run in
+        return type(self), (self.path, self.message)
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def digest_tree(root: Path, file_digest=digest_file) -> str:
+    """sha256 over (relative path, content digest) of every file under `root` but the manifest."""
+    h = hashlib.sha256()
+    for p in _files(root):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + file_digest(p).encode() + b"\n")
+    return h.hexdigest()
+
+
+class ArtifactStore:
+    """`producer`, when given, is stamped on every artifact this store object publishes."""
+
+    def __init__(self, root: Path | str, producer: Producer | None = None):
+        self.root = Path(root).expanduser()
+        self.producer = producer
+        (self.root / "artifacts").mkdir(parents=True, exist_ok=True)
+        (self.root / "work").mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def work_dir(self, step: str, key: str) -> Iterator[Path]:
+        """A step's scratch directory, the same for the same key, so a re-run resumes in it; held
+        for the step's duration, so a concurrent run of the same step on the same inputs waits."""
+        with self._held_work_dir(step, key) as (path, _):
+            yield path
+
+    @contextmanager
+    def step_work_dir(self, manifest_type: type[M], provenance: Provenance) -> Iterator[tuple[Path, M | None]]:
+        """`work_dir` for a step keyed by its provenance, and the artifact another run published for
+        the same provenance while this one waited for it: the step returns that instead of running
+        again (None: it did not wait, or the other run did not finish)."""
+        kind = manifest_type.model_fields["kind"].default
+        with self._held_work_dir(kind, provenance.key) as (path, waited):
+            done = self.published(manifest_type, provenance) if waited else None
+            if done is not None:
+                logger.warning("%s: another run published it for the same inputs while this one waited; reusing %s", kind, done.digest[:12])
+            yield path, done
+
+    def published(self, manifest_type: type[M], provenance: Provenance) -> M | None:
+        """The artifact published for `provenance`, if the store still holds it (None: never, or deleted).
+        Its stored manifest is its first publisher's, whose provenance may differ (same bytes): the one
+        returned carries `provenance`."""
+        pointer = self._pointer(manifest_type.model_fields["kind"].default, provenance.key)
+        if pointer.exists() and (self.artifact_dir(digest := pointer.read_text()) / MANIFEST).exists():
+            return self.load(manifest_type, digest).model_copy(update=provenance.model_dump())
+        return None
+
+    @contextmanager
+    def _held_work_dir(self, step: str, key: str) -> Iterator[tuple[Path, bool]]:
+        name = f"{step}-{key[:24]}"
+        with exclusive(self.root / "locks" / f"{name}.lock", f"another run of step '{step}' on the same inputs") as waited:
+            path = self.root / "work" / name
+            path.mkdir(parents=True, exist_ok=True)
+            for stale in path.rglob(f".*{TEMP_SUFFIX}"):  # a killed run's unfinished write, not part of any output
+                stale.unlink()
+            try:
+                yield path, waited
+            finally:
+                if path.is_dir() and not any(path.iterdir()):  # nothing to resume (published, or never written)
+                    path.rmdir()
+
+    def _pointer(self, kind: str, key: str) -> Path:
+        return self.root / PUBLISHED / f"{kind}-{key}"
+
+    def artifact_dir(self, digest: str) -> Path:
+        return self.root / "artifacts" / digest
+
+    def input_digest(self, path: Path) -> str:
+        """Streamed content digest of an input file or directory, memoised by (size, mtime_ns)."""
+        path = Path(path).resolve()
+        if path.is_dir():
+            return digest_tree(path, self._memo_digest)
+        return self._memo_digest(path)
+
+    def _memo_digest(self, path: Path) -> str:
+        stat = path.stat()
+        memo_path = self.root / "file-digests.json"
+        memo = json.loads(memo_path.read_text()) if memo_path.exists() else {}
+        tag = f"{stat.st_size}:{stat.st_mtime_ns}"
+        entry = memo.get(str(path))
+        if entry and entry["tag"] == tag:
+            return entry["sha256"]
+        digest = digest_file(path)
+        memo[str(path)] = {"tag": tag, "sha256": digest}
+        atomic_write_text(memo_path, json.dumps(memo, indent=0))
+        return digest
+
+    def publish(self, work: Path, manifest: M) -> M:
+        """Turn a finished work directory into an artifact named by its content digest.
+
+        `manifest` comes with everything but `digest`, `path`, `num_bytes` and `producer`, which are
+        filled here. An artifact already in the store keeps its manifest, so its first producer.
+        """
+        files = _files(work)
+        for path in [*files, *sorted((d for d in work.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts))]:
+            fsync(path)  # files, then the directories holding them, deepest first
+        digest = digest_tree(work)
+        final = self.artifact_dir(digest)
+        num_bytes = sum(p.stat().st_size for p in files)
+        manifest = manifest.model_copy(update={"digest": digest, "path": final, "num_bytes": num_bytes, "producer": self.producer})
+        atomic_write_text(work / MANIFEST, manifest.model_dump_json(indent=2))
+        fsync(work)
+        if final.exists():
+            shutil.rmtree(work)
+            first = type(manifest).model_validate_json((final / MANIFEST).read_text())
+            manifest = manifest.model_copy(update={"producer": first.producer})
+        else:
+            os.replace(work, final)
+            fsync(final.parent)
+        source = Provenance.model_validate(manifest.model_dump(include=set(Provenance.model_fields)))
+        atomic_write_text(self._pointer(manifest.kind, source.key), digest)
+        return manifest
+
+    def load(self, manifest_type: type[M], digest: str) -> M:
+        path = self.artifact_dir(digest) / MANIFEST
+        if not path.exists():
+            raise ArtifactError(path, "no such artifact (deleted, or from another store)")
+        return manifest_type.model_validate_json(path.read_text())
+
+
+def step_provenance(step: str, store: ArtifactStore, **inputs: Any) -> Provenance:
+    """The provenance of `step` (an `eagle3.store.versions.STEPS` entry) from its inputs: manifests count
+    by digest, files and directories by streamed content digest, config groups by their
+    output-affecting fields, anything else as is."""
+    from eagle3.config import output_affecting
+
+    parents: dict[str, str] = {}
+    config: dict[str, Any] = {}
+    for name, value in sorted(inputs.items()):
+        if isinstance(value, ArtifactManifest):
+            parents[name] = value.digest
+        elif isinstance(value, Path):
+            parents[name] = store.input_digest(value)
+        elif isinstance(value, BaseModel):
+            config[name] = output_affecting(value)
+        else:
+            config[name] = value
+    return Provenance(parents=parents, config=config, code_version=code_version(step))
+

@@ -1,0 +1,266 @@
+"""One training attempt: speculators' `Eagle3DraftModel`, data loaders and `Trainer` on a prepared
+data directory. Runs in the flow's process on CPU, and as `torchrun -m eagle3.training.train_worker
+spec.json` on GPUs (one process per GPU, DDP or FSDP), so each attempt gets fresh CUDA contexts.
+
+A rank that runs out of memory writes `oom-rank<r>.json` beside the checkpoints and exits with
+`OOM_EXIT`; the launcher relaunches with a smaller batch from the last epoch checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import BaseModel
+
+from eagle3.config import TrainConfig
+from eagle3.runtime.devices import compute_dtype
+from eagle3.runtime.faults import FAULT_OOM_ENV, simulate_oom_above
+from eagle3.store.files import atomic_write_text
+from eagle3.training import trainer_compat
+from eagle3.training.vocab_mapping import VocabManifest, load_vocab_mapping
+from eagle3.training.warm_start import warm_start
+
+__all__ = ["OOM_EXIT", "TrainSpec", "report_step", "speculators_train_config", "train_attempt"]
+
+OOM_EXIT = 75
+
+
+class TrainSpec(BaseModel):
+    """Everything one attempt needs; written as JSON for a child process."""
+
+    cfg: TrainConfig
+    work: Path
+    verifier_path: Path
+    aux_layer_ids: list[int]
+    hidden_size: int
+    vocab: VocabManifest
+    total_seq_len: int
+    device: str
+    init_checkpoint: Path | None = None
+
+    @property
+    def metrics_log(self) -> Path:
+        return self.work / "metrics.jsonl"
+
+    @property
+    def timing_log(self) -> Path:
+        return self.work / "timing.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.work / "checkpoints"
+
+
+def report_step(record: dict, total_steps: int, on_step) -> None:
+    """Pass a metrics record that ends an optimizer step to `on_step(step, total, metrics)`."""
+    if "train" in record:
+        on_step(record["global_step"] + 1, total_steps, record["train"])
+
+
+@contextmanager
+def _collect_metrics(log: Path, timing_log: Path, on_record) -> Iterator[None]:
+    """Append each dict speculators' Trainer logs to `speculators.metrics` (one per step and per
+    validation epoch) to `log`, which outlives a crash, and pass it to `on_record`. Timings (the
+    step timer's, and the wall clock when each record arrived) go to `timing_log` instead:
+    wall-clock numbers would make two identical trainings' metrics differ."""
+    logger = logging.getLogger("speculators.metrics")
+
+    class _Sink(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if isinstance(record.msg, dict):
+                entry = {k: v for k, v in record.msg.items() if k != "profile"}
+                with open(log, "a") as f:
+                    f.write(json.dumps(entry, default=float) + "\n")
+                timing = {"global_step": entry.get("global_step"), "ended_at": time.time(), "validation": "val" in entry,
+                          **(record.msg.get("profile") or {})}
+                with open(timing_log, "a") as f:
+                    f.write(json.dumps(timing, default=float) + "\n")
+                on_record(entry)
+
+    handler = _Sink()
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _fault_oom_above(model) -> None:
+    """The test hook `FAULT_OOM_ENV`: the real torch.OutOfMemoryError for any batch above its limit."""
+    forward = model.forward
+
+    def guarded(*args, **kwargs):
+        tokens = kwargs["input_ids"].numel() if "input_ids" in kwargs else args[0].numel()
+        simulate_oom_above(tokens, f"{tokens} training tokens")
+        return forward(*args, **kwargs)
+
+    model.forward = guarded
+
+
+def speculators_train_config(spec: TrainSpec):
+    """speculators' own `TrainConfig` for this attempt: the settings its CLI would be given."""
+    from speculators.train.config import TrainConfig as SpeculatorsTrainConfig
+
+    cfg, device = spec.cfg, torch.device(spec.device)
+    return SpeculatorsTrainConfig.from_flat(
+        {
+            "verifier_name_or_path": str(spec.verifier_path),
+            "data_path": str(spec.work / "data"),
+            "save_path": str(spec.checkpoints),
+            "target_layer_ids": spec.aux_layer_ids,
+            "draft_vocab_size": spec.vocab.draft_vocab_size,
+            "num_layers": cfg.num_layers,
+            "full_attention_indices": list(range(cfg.num_layers)),
+            "draft_attn_impl": trainer_compat.draft_attn_impl(device),
+            "loss_fn": cfg.loss_fn,
+            "loss_implementation": trainer_compat.loss_implementation(device),
+            "ttt_steps": cfg.ttt_steps,
+            "ttt_step_loss_decay": cfg.ttt_step_loss_decay,
+            "optimizer": cfg.optimizer,
+            "lr": cfg.lr,
+            "epochs": cfg.epochs,
+            "total_seq_len": spec.total_seq_len,
+            "train_data_ratio": cfg.train_data_ratio,
+            "seed": cfg.seed,
+            "on_missing": "raise",
+            "num_workers": 0 if device.type == "cpu" else 4,
+        }
+    )
+
+
+def train_attempt(spec: TrainSpec, on_step=None) -> None:
+    """Train (or resume) into `spec.checkpoints`; rank 0 appends metrics to `spec.metrics_log`.
+
+    `on_step(step, total, metrics)` is called after every optimizer step on rank 0.
+    """
+    from hs_connectors import FileTransfer
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.models.eagle3.rotary_partial import install_partial_neox_rotary
+    from speculators.train.cli import create_transformer_layer_config
+    from speculators.train.dataloader import create_train_val_loaders
+    from speculators.train.distributed import get_rank, maybe_destroy_distributed, maybe_setup_distributed
+    from speculators.train.trainer import TrainerConfig
+
+    cfg, device = spec.cfg, torch.device(spec.device)
+    dtype = compute_dtype(device)
+    data_dir = spec.work / "data"
+    verifier_path = str(spec.verifier_path)
+    flat = speculators_train_config(spec).flatten()
+
+    if device.type == "cuda":
+        maybe_setup_distributed()  # a no-op outside torchrun
+    _seed(cfg.seed)
+    install_partial_neox_rotary()
+    d2t, t2d = load_vocab_mapping(spec.vocab)
+    layer_config = create_transformer_layer_config(
+        verifier_name_or_path=verifier_path,
+        num_layers=cfg.num_layers,
+        draft_arch=flat["draft_arch"],
+        hidden_act=flat["draft_hidden_act"],
+        sliding_window=flat["sliding_window"],
+        full_attention_indices=flat["full_attention_indices"],
+        mrope_full_head_hack=False,
+    )
+    model = Eagle3DraftModel.from_training_args(verifier_config=layer_config, t2d=t2d, d2t=d2t, **flat)
+    if spec.init_checkpoint is not None:  # a resumed attempt's own checkpoint replaces these weights
+        warm_start(model, spec.init_checkpoint)
+    if os.environ.get(FAULT_OOM_ENV):
+        _fault_oom_above(model)
+
+    train_loader, val_loader = create_train_val_loaders(
+        data_path=str(data_dir),
+        total_seq_len=spec.total_seq_len,
+        hidden_states_dtype=dtype,
+        transfer=FileTransfer(data_dir / "hidden_states"),
+        vllm_endpoint=flat["vllm_endpoint"],
+        on_missing="raise",
+        verifier_name_or_path=verifier_path,
+        request_timeout=flat["request_timeout"],
+        max_retries=flat["max_retries"],
+        generation_validation_retries=flat["generation_validation_retries"],
+        max_consecutive_generation_failures=flat["max_consecutive_generation_failures"],
+        hidden_size=spec.hidden_size,
+        num_target_layers=len(spec.aux_layer_ids),
+        num_workers=flat["num_workers"],
+        prefetch_factor=flat["prefetch_factor"],
+        preprocess=shift_batch,
+        train_data_ratio=cfg.train_data_ratio,
+        seed=cfg.seed,
+    )
+    train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(**flat)
+    trainer_config = TrainerConfig(
+        num_epochs=cfg.epochs,
+        save_path=flat["save_path"],
+        lr=cfg.lr,
+        resume_from_checkpoint=True,
+        train_call_kwargs=train_kwargs,
+        val_call_kwargs=val_kwargs,
+        optimizer=cfg.optimizer,
+        weight_decay=flat["weight_decay"],
+        muon_lr=flat["muon_lr"],
+        scheduler_type=flat["scheduler_type"],
+        hidden_states_dtype=dtype,
+        log_freq=1,
+        checkpoint_freq=1,
+        fsdp_shard=cfg.fsdp,
+    )
+    total_steps = cfg.epochs * len(train_loader)
+    rank0 = get_rank() == 0
+    if rank0:
+        atomic_write_text(spec.work / "plan.json", json.dumps({"total_steps": total_steps}))
+
+    def on_record(record: dict) -> None:
+        if on_step is not None:
+            report_step(record, total_steps, on_step)
+
+    metrics = _collect_metrics(spec.metrics_log, spec.timing_log, on_record) if rank0 else _no_metrics()
+    try:
+        with trainer_compat.trainer_class(device) as trainer_cls, metrics:
+            trainer_cls(model, trainer_config, train_loader, val_loader).run_training()
+    finally:
+        maybe_destroy_distributed()
+
+
+@contextmanager
+def _no_metrics() -> Iterator[None]:
+    yield
+
+
+def main(argv: list[str]) -> int:
+    spec = TrainSpec.model_validate_json(Path(argv[0]).read_text())
+    rank = os.environ.get("RANK", "0")
+    oom = None
+    try:
+        train_attempt(spec)
+    except torch.OutOfMemoryError as exc:
+        oom = str(exc).splitlines()[0]
+    if oom is not None:
+        atomic_write_text(spec.work / f"oom-rank{rank}.json", json.dumps({"rank": rank, "error": oom}))
+        return OOM_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,246 @@
+"""The verifier's forward pass as decoding calls it: tokens appended to a KV cache, the cache cut
+back after rejected drafts, and each pass's argmax and aux hidden states returned.
+
+Decoding a small verifier on a GPU is bound by kernel launches, not by compute: each of
+transformers' eager forwards launches hundreds of kernels from Python (`bench/decode_speed.py`
+measures it). `StaticForward` keeps the KV cache in fixed buffers and passes its own attention
+mask, so every pass of one length runs the same kernels on the same addresses; on CUDA each
+length is captured once as a CUDA graph and replayed. A replay runs the kernels the eager pass
+runs, so it computes what the eager pass computes. `forward_for` uses it on a GPU for verifiers
+whose layers are all full attention and which decode the first prompt as transformers' own cache
+does (`decodes_like_dynamic`); the others (sliding windows, linear attention, layers that cannot
+be captured), and every verifier on a CPU, decode with `DynamicForward`, on transformers' own
+cache and masks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache, DynamicCache
+
+from eagle3.evaluation.speculative import greedy_decode, speculative_decode
+from eagle3.verifier.capture import HiddenStateCapture
+from eagle3.verifier.loading import text_config
+
+__all__ = ["DynamicForward", "StaticForward", "aux_states", "decodes_like_dynamic", "drop_last", "forward_for", "full_attention_only"]
+
+logger = logging.getLogger(__name__)
+
+
+def drop_last(cache: DynamicCache, n: int) -> None:
+    """Forget the last `n` positions of `cache` (a negative crop: transformers 5.18 drops positive
+    ones; and crop(-0) would empty the cache on some versions)."""
+    if n:
+        cache.crop(-n)
+
+
+def aux_states(capture: HiddenStateCapture | None) -> torch.Tensor | None:
+    """The last forward's aux states [tokens, 3, H], what an EAGLE-3 draft reads (None without capture)."""
+    return capture.stacked()[0, :, :-1].float() if capture else None
+
+
+class DynamicForward:
+    """Any verifier, eagerly, on transformers' `DynamicCache`."""
+
+    kind = "transformers' dynamic KV cache"  # what decoding speeds are measured with
+
+    def __init__(self, model, capture: HiddenStateCapture | None):
+        self.model, self.capture = model, capture
+        self.device = next(model.parameters()).device
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new sequence."""
+        self.cache = DynamicCache()
+
+    def __call__(self, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """Append `ids`; the verifier's argmax after each, and their aux states [len(ids), 3, H] (None without capture)."""
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache, use_cache=True)
+        return out.logits[0].argmax(-1).tolist(), aux_states(self.capture)
+
+    def rollback(self, n: int) -> None:
+        """Forget the last `n` tokens."""
+        drop_last(self.cache, n)
+
+
+class _FixedCache(Cache):
+    """K/V buffers of `max_len` positions per layer, written at `positions` (a device tensor the caller
+    sets before each forward). It ignores the cache_kwargs a transformers version passes, so one
+    code path serves them all; the caller's mask hides every position past the current pass."""
+
+    def __init__(self, max_len: int):
+        super().__init__(layers=[])
+        self.max_len = max_len
+        self.positions: torch.Tensor | None = None
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx not in self.keys:  # on the first (eager) pass, never inside a graph capture
+            batch, heads, _, _ = key_states.shape
+            self.keys[layer_idx] = key_states.new_zeros(batch, heads, self.max_len, key_states.shape[-1])
+            self.values[layer_idx] = value_states.new_zeros(batch, heads, self.max_len, value_states.shape[-1])
+        self.keys[layer_idx].index_copy_(2, self.positions, key_states)
+        self.values[layer_idx].index_copy_(2, self.positions, value_states)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def clear(self, start: int) -> None:
+        """Zero every position from `start` on: the mask gives them weight 0, but 0 x NaN is NaN, so an
+        overflow in a forgotten entry would otherwise reach every later pass."""
+        for buffer in (*self.keys.values(), *self.values.values()):
+            buffer[:, :, start:].zero_()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # read only where position_ids are missing (ours never are) or for masks (ours are given)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [1, q] the static inputs a replay reads
+    positions: torch.Tensor  # [q]
+    argmax: torch.Tensor  # [q] and the outputs it writes
+    aux: torch.Tensor | None  # [q, 3, H]
+
+
+class StaticForward:
+    """A full-attention verifier on fixed KV buffers of `max_len` positions: eager on CPU, and on
+    CUDA (`graphs`) every pass after a sequence's first replays a CUDA graph of its length."""
+
+    def __init__(self, model, capture: HiddenStateCapture | None, max_len: int, graphs: bool | None = None):
+        self.model, self.capture = model, capture
+        self.device = next(model.parameters()).device
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.cache = _FixedCache(max_len)
+        self.columns = torch.arange(max_len, device=self.device)
+        self.dtype = next(model.parameters()).dtype
+        self.length = 0
+        self._graphs: dict[int, _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.kind = "fixed KV buffers, CUDA graphs" if self.graphs else "fixed KV buffers"
+
+    def reset(self) -> None:
+        """Start a new sequence."""
+        self.cache.clear(0)
+        self.length = 0
+
+    def _pass(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.cache.positions = positions
+        mask = torch.full((len(positions), len(self.columns)), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(self.columns[None, :] <= positions[:, None], 0.0)  # [q, max_len], additive: causal over the buffers
+        out = self.model(input_ids=ids, position_ids=positions[None], attention_mask=mask[None, None], past_key_values=self.cache,
+                         use_cache=True)
+        return out.logits[0].argmax(-1), aux_states(self.capture)
+
+    def _capture(self, ids: torch.Tensor, positions: torch.Tensor) -> _Graph:
+        """Capture the pass of `ids` at `positions`: the warm-up runs it for real (writing the same
+        K/V the replay writes), then the graph records it. A layer that synchronizes with the host
+        (MoE routing by `nonzero`, say) cannot be captured: the warm-up raises on it, before a
+        capture could fail halfway."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        debug_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(stream):
+                self._pass(ids, positions)
+        finally:
+            torch.cuda.set_sync_debug_mode(debug_mode)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            argmax, aux = self._pass(ids, positions)
+        return _Graph(graph, ids, positions, argmax, aux)
+
+    def __call__(self, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """Append `ids`; the verifier's argmax after each, and their aux states [len(ids), 3, H] (None without capture).
+
+        Raises:
+            ValueError: the sequence would outgrow the `max_len` positions.
+        """
+        q, start = len(ids), self.length
+        if start + q > self.cache.max_len:
+            raise ValueError(f"a sequence of {start + q} tokens outgrows the KV buffers of {self.cache.max_len} positions")
+        tokens = torch.tensor([ids], device=self.device)
+        positions = self.columns[start : start + q]
+        if not (self.graphs and start):  # a sequence's first pass (the prompt) has a length of its own: eager
+            argmax, aux = self._pass(tokens, positions)
+        else:
+            graph = self._graphs.get(q)
+            if graph is None:
+                graph = self._graphs[q] = self._capture(tokens, positions.clone())
+            else:
+                graph.ids.copy_(tokens)
+                graph.positions.copy_(positions)
+            graph.graph.replay()
+            argmax, aux = graph.argmax, None if graph.aux is None else graph.aux.clone()  # the next replay overwrites it
+        self.length += q
+        return argmax.tolist(), aux
+
+    def rollback(self, n: int) -> None:
+        """Forget the last `n` tokens."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot forget {n} of {self.length} tokens")
+        self.length -= n
+        if n:
+            self.cache.clear(self.length)
+
+
+def full_attention_only(config) -> bool:
+    """Whether every layer of the verifier attends to the whole context (what `StaticForward`'s mask says)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types)
+    return not getattr(config, "sliding_window", None)
+
+
+class _ReplayProposer:
+    """Proposes the reference continuation with its k-th token wrong: passes of k + 1 tokens whose
+    last draft is rejected and rolled back."""
+
+    def __init__(self, reference: list[int], prompt_len: int):
+        self.reference, self.prompt_len = reference, prompt_len
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, aux_states) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        right = self.reference[len(context) - self.prompt_len :][:k]
+        return right[:-1] + [right[-1] - 1 if right[-1] else 1] if right else []
+
+
+PROBE_TOKENS = 12  # decoded from the probe prompt: enough passes of each kind to show a misplaced position
+
+
+def decodes_like_dynamic(forward: StaticForward, probe: list[int], max_new_tokens: int = PROBE_TOKENS, k: int = 3) -> bool:
+    """Whether `forward` decodes `probe` (a prompt) as `DynamicForward` does, plainly greedy and
+    through partly rejected k-token drafts: a check that this architecture's layers honour the
+    fixed buffers, positions and mask, and (on CUDA) survive graph capture."""
+    expected = greedy_decode(DynamicForward(forward.model, None), probe, max_new_tokens, set()).tokens
+    try:
+        greedy = greedy_decode(forward, probe, max_new_tokens, set()).tokens
+        drafted = speculative_decode(forward, _ReplayProposer(expected, len(probe)), probe, max_new_tokens, k, set()).tokens
+    except Exception:
+        logger.warning("decoding on fixed KV buffers failed on the first prompt", exc_info=True)
+        return False
+    return greedy == expected and drafted == expected
+
+
+def forward_for(model, capture: HiddenStateCapture | None, max_len: int, probe: list[int]):
+    """The fastest forward that decodes `model` exactly. On a GPU: `StaticForward` with CUDA graphs,
+    for a full-attention verifier that decodes `probe` (a prompt) as transformers' own cache does.
+    Otherwise `DynamicForward` (on a CPU, fixed buffers would only add attention over empty
+    positions). `max_len`: the longest sequence it will hold."""
+    if next(model.parameters()).device.type == "cuda" and full_attention_only(text_config(model.config)):
+        forward = StaticForward(model, capture, max(max_len, len(probe) + PROBE_TOKENS))
+        if decodes_like_dynamic(forward, probe):
+            return forward
+        logger.warning("%s verifier: decoding on fixed KV buffers differs from transformers' dynamic cache on the first "
+                       "prompt; decoding on the dynamic cache instead", model.config.model_type)
+    return DynamicForward(model, capture)

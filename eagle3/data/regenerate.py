@@ -40,12 +40,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from jinja2 import TemplateError
-from pydantic import Field
+from pydantic import BaseModel, Field
 from tqdm import tqdm
 
 from eagle3.config import RegenerateConfig
 from eagle3.data.prepare_dataset import Record, read_user_turns
-from eagle3.runtime.attempts import NO_GPU, GpuClaim, halve_after_oom, run_attempt
+from eagle3.runtime.attempts import NO_GPU, Backoff, BatchBackoff, GpuClaim, OutOfMemory, Progress, run_attempt
 from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, resolve_device
 from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
@@ -69,7 +69,7 @@ class RegeneratedManifest(ArtifactManifest):
     num_records: int
     num_generated_tokens: int
     failed: dict[str, str]
-    backoffs: list[dict] = []
+    backoffs: list[Backoff] = []
     gpu_memory_after_mib: dict[str, int] | None = Field(
         None, description="memory in use on each claimed GPU once the step's processes exited"
     )
@@ -144,27 +144,37 @@ def _answer_batch(model, tokenizer, batch: list[Record], cfg: RegenerateConfig, 
             for b, (record_id, _, _) in enumerate(batch)]
 
 
-def _transformers_attempt(
-    todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, device: str, batch_size: int, done_log: Path, on_progress
-) -> dict | None:
-    """Answer `todo` batch by batch with one model load, appending each finished record to `done_log`.
+class RegenerateAttempt(BaseModel):
+    """One attempt of the transformers backend: what crosses into its child process."""
 
-    Returns None when all are done, or {"records", "error"} at the first out-of-memory error: that
-    batch and the later ones are left to the caller, to retry with a smaller batch size (in a fresh
-    process on a GPU). `on_progress(records)` is called after each batch.
+    todo: list[Record]
+    cfg: RegenerateConfig
+    verifier: VerifierManifest
+    device: str
+    batch_size: int
+    done_log: Path
+
+
+def _transformers_attempt(spec: RegenerateAttempt, on_progress: Progress) -> OutOfMemory | None:
+    """Answer `spec.todo` batch by batch with one model load, appending each finished record to
+    `spec.done_log`; `on_progress(records)` after each batch.
+
+    Returns None when all are done, or where memory ran out: that batch and the later ones are
+    left to the caller, to retry with a smaller batch size (in a fresh process on a GPU).
     """
-    device = torch.device(device)
-    tokenizer = verifier_tokenizer(verifier)
-    model = load_text_model(verifier.path, compute_dtype(device), device)
-    todo = sorted(todo, key=lambda r: len(r[2][0]))
+    device = torch.device(spec.device)
+    tokenizer = verifier_tokenizer(spec.verifier)
+    model = load_text_model(spec.verifier.path, compute_dtype(device), device)
+    todo = sorted(spec.todo, key=lambda r: len(r[2][0]))
     try:
-        with open(done_log, "a") as log:
-            for start in range(0, len(todo), batch_size):
-                batch = todo[start : start + batch_size]
+        with open(spec.done_log, "a") as log:
+            for start in range(0, len(todo), spec.batch_size):
+                batch = todo[start : start + spec.batch_size]
                 try:
-                    answers = _answer_batch(model, tokenizer, batch, cfg, device)
+                    answers = _answer_batch(model, tokenizer, batch, spec.cfg, device)
                 except torch.OutOfMemoryError as exc:
-                    return {"records": [record_id for record_id, _, _ in batch], "error": str(exc).splitlines()[0]}
+                    records = [record_id for record_id, _, _ in batch]
+                    return OutOfMemory(error=str(exc).splitlines()[0], where=f"on records {records}", at={"records": records})
                 for entry in answers:
                     append_done(log, entry)
                 on_progress(len(batch))
@@ -176,24 +186,22 @@ def _transformers_attempt(
 
 def _regenerate_by_transformers(
     todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, done_log: Path, gpus: list[str] | None, records_done
-) -> list[dict]:
+) -> list[Backoff]:
     """Run attempts until every record of `todo` is in `done_log`; the back-offs taken."""
-    device = "cuda" if gpus else str(resolve_device(cfg.device))
-    backoffs: list[dict] = []
-    batch_size = cfg.batch_size
-    while todo:
-        attempt = {"todo": todo, "cfg": cfg, "verifier": verifier, "device": device, "batch_size": batch_size, "done_log": done_log}
-        oom = run_attempt(_transformers_attempt, attempt, gpus, records_done)
+    backoff = BatchBackoff(
+        "regenerate.batch_size", cfg.batch_size, "regenerate.min_batch_size", cfg.min_batch_size,
+        kept=f"Finished records are kept in {done_log}: a re-run resumes there. Lower regenerate.min_batch_size "
+        "or max_new_tokens, shorten those prompts, or use a device with more memory.",
+    )
+    spec = RegenerateAttempt(todo=todo, cfg=cfg, verifier=verifier, device="cuda" if gpus else str(resolve_device(cfg.device)),
+                             batch_size=cfg.batch_size, done_log=done_log)
+    while spec.todo:
+        oom = run_attempt(_transformers_attempt, spec, gpus, records_done)
         finished = read_done(done_log, "record")
-        todo = [r for r in todo if r[0] not in finished]
-        assert oom is not None or not todo, "an attempt without an out-of-memory error left records unfinished"
-        if oom is not None:
-            batch_size = halve_after_oom(
-                "regenerate.batch_size", batch_size, cfg.min_batch_size, backoffs, oom["error"], f"on records {oom['records']}",
-                f"Finished records are kept in {done_log}: a re-run resumes there. Lower regenerate.min_batch_size "
-                "or max_new_tokens, shorten those prompts, or use a device with more memory.", records=oom["records"],
-            )
-    return backoffs
+        left = [r for r in spec.todo if r[0] not in finished]
+        assert oom is not None or not left, "an attempt without an out-of-memory error left records unfinished"
+        spec = spec.model_copy(update={"todo": left, "batch_size": backoff.after(oom) if oom is not None else spec.batch_size})
+    return backoff.taken
 
 
 def _answers_by_server(todo: list[Record], cfg: RegenerateConfig) -> Iterator[dict]:

@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, Field
 from tqdm import tqdm
 
 from eagle3.config import ConfigError, EndpointConfig, ExtractConfig
@@ -37,7 +38,7 @@ from eagle3.data.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.extraction.served import ServedStates
 from eagle3.extraction.shards import HiddenStatesManifest, code_step, hs_path, shard_key, shard_lock, shard_lock_if_free, verify_shard
 from eagle3.extraction.writer import OverlappedWriter
-from eagle3.runtime.attempts import NO_GPU, GpuClaim, halve_after_oom, run_attempt
+from eagle3.runtime.attempts import NO_GPU, BatchBackoff, GpuClaim, OutOfMemory, Progress, run_attempt
 from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, resolve_device
 from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
@@ -115,82 +116,195 @@ def extraction_provenance(store: ArtifactStore, cfg: ExtractConfig, dataset: Dat
     return step_provenance(code_step(cfg), store, cfg=cfg, dataset=dataset, verifier=verifier)
 
 
-def _extract_attempt(
-    dataset: DatasetManifest,
-    verifier: VerifierManifest,
-    aux: list[int],
-    device: str,
-    shard_root: Path,
-    todo: list[tuple[int, str, list[int]]],
-    budget: int,
-    served: EndpointConfig | None,
-    on_progress,
-) -> dict:
-    """Extract the `todo` shards (index, key, record indices) in order with one model load,
-    skipping those another run is extracting (the model loads at the first shard this run takes,
-    so an attempt that finds every shard taken never loads it).
+class ShardWork(BaseModel):
+    index: int  # position in the dataset's shard list
+    key: str
+    records: list[int]  # dataset record indices, in order
 
-    Returns {"busy": indices skipped, "oom": None or {"shard", "error"}}: at the first out-of-memory
-    error the attempt stops and the caller retries the shards left with a smaller budget, in a
-    fresh process on a GPU. `served`: ask that server for the states instead (nothing runs out of
-    memory here).
-    `on_progress(shard index, extracted)` after each shard; `extracted` is False for a shard
-    another run finished since the caller listed it.
-    """
-    device = torch.device(device)
-    table = load_dataset_table(dataset)
+
+class ExtractAttempt(BaseModel):
+    """One attempt: the shards to extract with one model load (or from one server), what crosses
+    into its child process."""
+
+    dataset: DatasetManifest
+    verifier: VerifierManifest
+    aux: list[int]
+    device: str
+    shard_root: Path
+    todo: list[ShardWork]
+    budget: int = Field(description="padded tokens per prefill batch")
+    served: EndpointConfig | None = Field(None, description="ask this server for the states instead")
+
+
+class AttemptOutcome(BaseModel):
+    busy: list[int] = Field(description="shards skipped because another run was extracting them")
+    oom: OutOfMemory | None = None
+
+
+class _Source:
+    """Where an attempt's states come from: the verifier, loaded at the first shard this attempt
+    takes (an attempt that finds every shard taken never loads it), or a vLLM server."""
+
+    def __init__(self, spec: ExtractAttempt, input_ids: list[list[int]], record_ids: list[str]):
+        self.spec, self.input_ids, self.record_ids = spec, input_ids, record_ids
+        self.device = torch.device(spec.device)
+        self.decoder = self.capture = self.server = None
+        if spec.served is not None:
+            self.server = ServedStates(spec.served, len(spec.aux) + 1, spec.verifier.hidden_size)
+            self.server.check_fit([(i, record_ids[i], input_ids[i]) for shard in spec.todo for i in shard.records])
+
+    def extract(self, writer: OverlappedWriter, shard_dir: Path, shard: ShardWork, progress) -> None:
+        if self.server is not None:
+            _extract_served_shard(self.server, writer, shard_dir, shard.records, self.input_ids, self.record_ids, progress)
+            return
+        if self.decoder is None:
+            self.decoder = load_text_model(self.spec.verifier.path, compute_dtype(self.device), self.device).get_decoder()
+            self.capture = HiddenStateCapture(self.decoder, self.spec.aux)
+        _extract_shard(self.decoder, self.capture, writer, shard_dir, shard.records, self.input_ids, self.spec.budget, self.device, progress)
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.states.clear()
+            self.capture.close()
+        self.decoder = self.capture = self.server = None
+        free_device_memory(self.device)
+
+
+def _finish_shard(spec: ExtractAttempt, writer: OverlappedWriter, partial: Path, shard: ShardWork, input_ids: list[list[int]]) -> None:
+    """Check every file of an extracted shard, record their digests, and move it into place."""
+    verify_shard(partial, [input_ids[i] for i in shard.records], len(spec.aux) + 1, spec.verifier.hidden_size)
+    digests = {p.name: writer.digests.pop(p) for p in sorted(writer.digests) if p.parent == partial}
+    atomic_write_text(partial / "done.json", json.dumps({"sha256": digests}, indent=0))
+    os.replace(partial, spec.shard_root / shard.key)
+
+
+def _extract_attempt(spec: ExtractAttempt, on_progress: Progress) -> AttemptOutcome:
+    """Extract `spec.todo` in order, skipping the shards another run is extracting. At the first
+    out-of-memory error the attempt stops; the caller retries the shards left with a smaller
+    budget, in a fresh process on a GPU. `on_progress(shard index, extracted)` after each shard;
+    `extracted` is False for a shard another run finished since the caller listed it."""
+    table = load_dataset_table(spec.dataset)
     input_ids: list[list[int]] = table.column("input_ids").to_pylist()
-    record_ids: list[str] = table.column("record_id").to_pylist()
-    decoder = capture = source = None
-    if served is not None:
-        source = ServedStates(served, len(aux) + 1, verifier.hidden_size)
-        source.check_fit([(i, record_ids[i], input_ids[i]) for _, _, shard in todo for i in shard])
-    writer = OverlappedWriter(device)
-    busy, oom = [], None
+    source = _Source(spec, input_ids, table.column("record_id").to_pylist())
+    writer = OverlappedWriter(source.device)
+    busy: list[int] = []
     try:
-        with tqdm(total=sum(len(input_ids[i]) for _, _, shard in todo for i in shard), desc="extract hidden states", unit="tok") as progress:
-            for k, key, shard in todo:
-                tokens = sum(len(input_ids[i]) for i in shard)
-                with shard_lock_if_free(shard_root, key) as mine:
+        with tqdm(total=sum(len(input_ids[i]) for s in spec.todo for i in s.records), desc="extract hidden states", unit="tok") as progress:
+            for shard in spec.todo:
+                tokens = sum(len(input_ids[i]) for i in shard.records)
+                with shard_lock_if_free(spec.shard_root, shard.key) as mine:
                     if not mine:
-                        busy.append(k)
+                        busy.append(shard.index)
                         progress.total -= tokens
                         continue
-                    if (shard_root / key / "done.json").exists():  # another run finished it since it was listed
+                    if (spec.shard_root / shard.key / "done.json").exists():  # another run finished it since it was listed
                         progress.update(tokens)
-                        on_progress(k, False)
+                        on_progress(shard.index, False)
                         continue
-                    partial = shard_root / f"{key}.partial"
+                    partial = spec.shard_root / f"{shard.key}.partial"
                     if partial.exists():
                         shutil.rmtree(partial)  # left by a killed run: the shard is the unit of resume
                     partial.mkdir()
-                    if source is None and decoder is None:
-                        decoder = load_text_model(verifier.path, compute_dtype(device), device).get_decoder()
-                        capture = HiddenStateCapture(decoder, aux)
                     try:
-                        if source is not None:
-                            _extract_served_shard(source, writer, partial, shard, input_ids, record_ids, progress)
-                        else:
-                            _extract_shard(decoder, capture, writer, partial, shard, input_ids, budget, device, progress)
+                        source.extract(writer, partial, shard, progress)
                     except BaseException as exc:
                         writer.discard()  # its queued writes land before the lock lets another run at the shard
                         if not isinstance(exc, torch.OutOfMemoryError):
                             raise
-                        oom = {"shard": k, "error": str(exc).splitlines()[0]}
-                        break
-                    verify_shard(partial, [input_ids[i] for i in shard], len(aux) + 1, verifier.hidden_size)
-                    digests = {p.name: writer.digests.pop(p) for p in sorted(writer.digests) if p.parent == partial}
-                    atomic_write_text(partial / "done.json", json.dumps({"sha256": digests}, indent=0))
-                    os.replace(partial, shard_root / key)
-                on_progress(k, True)
+                        oom = OutOfMemory(error=str(exc).splitlines()[0], where=f"in shard {shard.index}", at={"shard": shard.index})
+                        return AttemptOutcome(busy=busy, oom=oom)
+                    _finish_shard(spec, writer, partial, shard, input_ids)
+                on_progress(shard.index, True)
     finally:
         writer.close()
-        if capture is not None:
-            capture.states.clear()
-            capture.close()
-        del decoder, capture, writer, source
-        free_device_memory(device)
-    return {"busy": busy, "oom": oom}
+        source.close()
+    return AttemptOutcome(busy=busy)
+
+
+class _ShardPlan:
+    """The dataset's shards, their keys, and which of them are finished; counts what this run
+    extracted and what it reused (finished by an earlier or concurrent run)."""
+
+    def __init__(self, cfg: ExtractConfig, dataset: DatasetManifest, verifier: VerifierManifest, aux: list[int], root: Path, on_progress):
+        self.input_ids: list[list[int]] = load_dataset_table(dataset).column("input_ids").to_pylist()
+        size = cfg.records_per_shard
+        self.shards = [list(range(s, min(s + size, len(self.input_ids)))) for s in range(0, len(self.input_ids), size)]
+        self.keys = [shard_key(cfg, verifier, aux, [self.input_ids[i] for i in shard]) for shard in self.shards]
+        self.root = root
+        self.on_progress = on_progress
+        self.todo = [k for k in range(len(self.shards)) if not self.finished(k)]
+        self.total_tokens = sum(self.tokens(k) for k in self.todo)
+        self.done_tokens = self.extracted = 0
+        self.reported: set[int] = set()
+
+    def tokens(self, k: int) -> int:
+        return sum(len(self.input_ids[i]) for i in self.shards[k])
+
+    def finished(self, k: int) -> bool:
+        return (self.root / self.keys[k] / "done.json").exists()
+
+    def free(self, k: int) -> bool:
+        with shard_lock_if_free(self.root, self.keys[k]) as mine:
+            return mine
+
+    def work(self, ks: list[int]) -> list[ShardWork]:
+        return [ShardWork(index=k, key=self.keys[k], records=self.shards[k]) for k in ks]
+
+    def shard_done(self, k: int, by_this_run: bool) -> None:
+        self.reported.add(k)
+        self.done_tokens += self.tokens(k)
+        self.extracted += by_this_run
+        if self.on_progress is not None:
+            self.on_progress(self.done_tokens, self.total_tokens)
+
+    def unfinished(self, ks: list[int]) -> list[int]:
+        """`ks` less the finished shards; those another run finished count as reused."""
+        left = []
+        for k in ks:
+            if not self.finished(k):
+                left.append(k)
+            elif k not in self.reported:
+                self.shard_done(k, False)
+        return left
+
+
+def _extract_free_shards(plan: _ShardPlan, todo: list[int], base: ExtractAttempt, gpus: list[str] | None, backoff: BatchBackoff) -> None:
+    """Attempts until every shard of `todo` is finished or being extracted by another run, the
+    budget halved after each out-of-memory stop."""
+    busy: list[int] = []
+    while (todo := plan.unfinished(todo)) and not set(todo) <= set(busy):
+        spec = base.model_copy(update={"todo": plan.work(todo), "budget": backoff.value})
+        outcome = run_attempt(_extract_attempt, spec, gpus, plan.shard_done)
+        busy = outcome.busy
+        if outcome.oom is not None:
+            backoff.after(outcome.oom)
+        elif not set(plan.unfinished(todo)) <= set(busy):
+            raise RuntimeError("an extraction attempt ended without an error but left free shards unfinished")
+
+
+def _publish(store: ArtifactStore, provenance: Provenance, plan: _ShardPlan, aux: list[int], verifier: VerifierManifest, **numbers) -> HiddenStatesManifest:
+    listing = [
+        {"key": key, "first_record": shard[0], "num_records": len(shard),
+         "sha256": json.loads((plan.root / key / "done.json").read_text())["sha256"]}
+        for key, shard in zip(plan.keys, plan.shards)
+    ]
+    with store.work_dir("hidden_states", provenance.key) as work:
+        atomic_write_text(work / "shards.json", json.dumps(listing, indent=0))
+        return store.publish(
+            work,
+            HiddenStatesManifest(
+                **provenance.model_dump(),
+                path=work,
+                aux_layer_ids=aux,
+                hidden_size=verifier.hidden_size,
+                num_records=len(plan.input_ids),
+                num_tokens=sum(map(len, plan.input_ids)),
+                shards=[{k: v for k, v in entry.items() if k != "sha256"} for entry in listing],
+                extracted_shards=plan.extracted,
+                reused_shards=len(plan.keys) - plan.extracted,
+                **numbers,
+            ),
+        )
 
 
 def extract_hidden_states(
@@ -225,95 +339,26 @@ def extract_hidden_states(
     if served is not None:
         claim = NO_GPU
     aux = resolve_aux_layer_ids(cfg.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
-    input_ids: list[list[int]] = load_dataset_table(dataset).column("input_ids").to_pylist()
-    size = cfg.records_per_shard
-    shards = [list(range(s, min(s + size, len(input_ids)))) for s in range(0, len(input_ids), size)]
-    keys = [shard_key(cfg, verifier, aux, [input_ids[i] for i in shard]) for shard in shards]
     shard_root = store.root / "shards"
     shard_root.mkdir(exist_ok=True)
-
-    def finished(k: int) -> bool:
-        return (shard_root / keys[k] / "done.json").exists()
-
-    todo = [k for k in range(len(shards)) if not finished(k)]
-    total = sum(len(input_ids[i]) for k in todo for i in shards[k])
-    done = extracted = 0
-    reported: set[int] = set()
-
-    def shard_done(k: int, by_this_run: bool) -> None:
-        nonlocal done, extracted
-        reported.add(k)
-        done += sum(len(input_ids[i]) for i in shards[k])
-        extracted += by_this_run
-        if on_progress is not None:
-            on_progress(done, total)
-
-    def unfinished(ks: list[int]) -> list[int]:
-        """`ks` less the finished shards; those another run finished count as reused."""
-        left = []
-        for k in ks:
-            if not finished(k):
-                left.append(k)
-            elif k not in reported:
-                shard_done(k, False)
-        return left
-
-    backoffs: list[dict] = []
+    plan = _ShardPlan(cfg, dataset, verifier, aux, shard_root, on_progress)
+    backoff = BatchBackoff(
+        "extract.prefill_batch_tokens", cfg.prefill_batch_tokens, "extract.min_prefill_batch_tokens", cfg.min_prefill_batch_tokens,
+        kept="Finished shards are kept. Lower dataset.max_seq_len or extract.min_prefill_batch_tokens, or use a device with more memory.",
+    )
     gpu_memory_after = None
-    budget = cfg.prefill_batch_tokens
-
-    def free(k: int) -> bool:
-        with shard_lock_if_free(shard_root, keys[k]) as mine:
-            return mine
-
-    while todo := unfinished(todo):
-        if any(free(k) for k in todo):  # else other runs are extracting every shard left: no claim
+    todo = plan.todo
+    while todo := plan.unfinished(todo):
+        if any(plan.free(k) for k in todo):  # else other runs are extracting every shard left: no claim
             with clock.excluding_wait(claim()) as gpus:
                 device = "cuda" if gpus else "cpu" if served else str(resolve_device(cfg.device))
-                busy: list[int] = []
-                while (todo := unfinished(todo)) and not set(todo) <= set(busy):
-                    attempt = {"dataset": dataset, "verifier": verifier, "aux": aux, "device": device, "shard_root": shard_root,
-                               "todo": [(k, keys[k], shards[k]) for k in todo], "budget": budget, "served": served}
-                    outcome = run_attempt(_extract_attempt, attempt, gpus, shard_done)
-                    busy = outcome["busy"]
-                    if (oom := outcome["oom"]) is not None:
-                        budget = halve_after_oom(
-                            "extract.prefill_batch_tokens", budget, cfg.min_prefill_batch_tokens, backoffs, oom["error"],
-                            f"in shard {oom['shard']}", "Finished shards are kept. Lower dataset.max_seq_len or "
-                            "extract.min_prefill_batch_tokens, or use a device with more memory.", shard=oom["shard"],
-                        )
-                    elif not set(unfinished(todo)) <= set(busy):
-                        raise RuntimeError("an extraction attempt ended without an error but left free shards unfinished")
+                base = ExtractAttempt(dataset=dataset, verifier=verifier, aux=aux, device=device, shard_root=shard_root, todo=[],
+                                      budget=backoff.value, served=served)
+                _extract_free_shards(plan, todo, base, gpus, backoff)
                 gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
-        for k in unfinished(todo):  # shards other runs are extracting: waited for without a GPU, not counted as this step's time
-            with clock.excluding_wait(shard_lock(shard_root, keys[k])):
+        for k in plan.unfinished(todo):  # shards other runs are extracting: waited for without a GPU, not counted as this step's time
+            with clock.excluding_wait(shard_lock(shard_root, plan.keys[k])):
                 pass
-            if not finished(k):
+            if not plan.finished(k):
                 break  # its run died: claim again for it
-
-    listing = [
-        {"key": key, "first_record": shard[0], "num_records": len(shard),
-         "sha256": json.loads((shard_root / key / "done.json").read_text())["sha256"]}
-        for key, shard in zip(keys, shards)
-    ]
-    with store.work_dir("hidden_states", provenance.key) as work:
-        atomic_write_text(work / "shards.json", json.dumps(listing, indent=0))
-        return store.publish(
-            work,
-            HiddenStatesManifest(
-                **provenance.model_dump(),
-                path=work,
-                aux_layer_ids=aux,
-                hidden_size=verifier.hidden_size,
-                num_records=len(input_ids),
-                num_tokens=sum(map(len, input_ids)),
-                shards=[{k: v for k, v in entry.items() if k != "sha256"} for entry in listing],
-                extracted_shards=extracted,
-                reused_shards=len(keys) - extracted,
-                backoffs=backoffs,
-                gpu_memory_after_mib=gpu_memory_after,
-                seconds=clock(),
-            ),
-        )
-
-
+    return _publish(store, provenance, plan, aux, verifier, backoffs=backoff.taken, gpu_memory_after_mib=gpu_memory_after, seconds=clock())

@@ -17,6 +17,7 @@ from pydantic import Field
 from safetensors import safe_open
 
 from eagle3.config import ExtractConfig
+from eagle3.runtime.attempts import Backoff
 from eagle3.runtime.locks import exclusive, exclusive_if_free
 from eagle3.store.artifacts import ArtifactError
 from eagle3.store.manifests import ArtifactManifest
@@ -37,7 +38,7 @@ class HiddenStatesManifest(ArtifactManifest):
     shards: list[dict] = Field(description="per shard: key, first_record, num_records")
     extracted_shards: int
     reused_shards: int
-    backoffs: list[dict] = []
+    backoffs: list[Backoff] = []
     gpu_memory_after_mib: dict[str, int] | None = Field(
         None, description="memory in use on each claimed GPU once the step's processes exited"
     )

@@ -1,12 +1,17 @@
-"""One GPU attempt, one child process: its CUDA context and all its memory go when it exits.
+"""The attempt protocol the GPU steps (regeneration, extraction, training) share.
 
-A failed attempt then leaves nothing behind in the long-lived flow process (no allocator cache, no
-exception frames pinning tensors), so a retry with a smaller batch starts from an empty GPU. The
-child is spawned (CUDA cannot be forked), sees only the devices it was given
+One GPU attempt, one child process: its CUDA context and all its memory go when it exits. A failed
+attempt then leaves nothing behind in the long-lived flow process (no allocator cache, no exception
+frames pinning tensors), so a retry with a smaller batch starts from an empty GPU. An attempt is a
+function of one typed spec (a pydantic model, which crosses into the child as itself) and a
+progress callback. The child is spawned (CUDA cannot be forked), sees only the devices it was given
 (`CUDA_VISIBLE_DEVICES`), streams progress and its `eagle3` log records back over a pipe (so its
 warnings reach the flow's log) and returns a small picklable result. Exceptions come back as
-themselves where they pickle, `torch.OutOfMemoryError` included, so callers back off the same way
-whether an attempt ran in a child or in-process.
+themselves where they pickle, `torch.OutOfMemoryError` included.
+
+An attempt that runs out of memory stops and says where (`OutOfMemory`); its step halves one
+batch setting (`BatchBackoff`) and runs the next attempt on what is left, until the setting's
+minimum. Each halving is logged and recorded in the step's manifest (`Backoff`).
 """
 
 from __future__ import annotations
@@ -22,18 +27,26 @@ import threading
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, Field
 
 __all__ = [
     "NO_GPU",
+    "Backoff",
+    "BatchBackoff",
     "ChildProcessFailed",
     "GpuClaim",
+    "OutOfMemory",
     "die_with_parent",
     "dying_with_parent",
     "fixed_devices",
-    "halve_after_oom",
     "run_attempt",
 ]
+
+Spec = TypeVar("Spec", bound=BaseModel)
+Result = TypeVar("Result")
+Progress = Callable[..., None]
 
 
 logger = logging.getLogger(__name__)
@@ -82,7 +95,7 @@ class _ToParent(logging.Handler):
         self.send("log", (record.name, record.levelno, record.getMessage()))
 
 
-def _child_main(fn: Callable, kwargs: dict, visible_devices: list[str] | None, conn, parent_pid: int, log_level: int) -> None:
+def _child_main(fn: Callable, spec: BaseModel, visible_devices: list[str] | None, conn, parent_pid: int, log_level: int) -> None:
     die_with_parent(parent_pid)
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, visible_devices))
@@ -97,7 +110,7 @@ def _child_main(fn: Callable, kwargs: dict, visible_devices: list[str] | None, c
     library.addHandler(_ToParent(send))
     library.propagate = False
     try:
-        result = fn(**kwargs, on_progress=lambda *args: send("progress", args))
+        result = fn(spec, lambda *args: send("progress", args))
         send("result", result)
     except BaseException as exc:
         try:
@@ -110,16 +123,18 @@ def _child_main(fn: Callable, kwargs: dict, visible_devices: list[str] | None, c
         conn.close()
 
 
-def run_attempt(fn: Callable[..., Any], kwargs: dict, visible_devices: list[str] | None, on_progress=None) -> Any:
-    """`fn(**kwargs, on_progress=...)` in a spawned child seeing only `visible_devices`, or in this
-    process when `visible_devices` is None (CPU work needs no isolation). `fn` must be importable."""
+def run_attempt(
+    fn: Callable[[Spec, Progress], Result], spec: Spec, visible_devices: list[str] | None, on_progress: Progress | None = None
+) -> Result:
+    """`fn(spec, on_progress)` in a spawned child seeing only `visible_devices`, or in this process
+    when `visible_devices` is None (CPU work needs no isolation). `fn` must be importable."""
     forward = on_progress or (lambda *_: None)
     if visible_devices is None:
-        return fn(**kwargs, on_progress=forward)
+        return fn(spec, forward)
     ctx = mp.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     log_level = logging.getLogger("eagle3").getEffectiveLevel()
-    child = ctx.Process(target=_child_main, args=(fn, kwargs, visible_devices, send, os.getpid(), log_level), name=f"eagle3-{fn.__name__}")
+    child = ctx.Process(target=_child_main, args=(fn, spec, visible_devices, send, os.getpid(), log_level), name=f"eagle3-{fn.__name__}")
     child.start()
     send.close()
     outcome = None
@@ -148,20 +163,47 @@ def run_attempt(fn: Callable[..., Any], kwargs: dict, visible_devices: list[str]
     raise pickle.loads(error) from ChildProcessFailed(f"in the child process:\n{child_traceback}")
 
 
-def halve_after_oom(knob: str, value: int, minimum: int, backoffs: list[dict], error: str, where: str, kept: str, **record) -> int:
-    """The out-of-memory back-off every GPU step shares: half of `value`, the batch setting `knob`
-    (e.g. 'train.total_seq_len') that ran out of memory, logged and appended to `backoffs` (with
-    `record`'s fields); below `minimum`, a RuntimeError saying what was tried and what is `kept`.
-    `where`: what ran out, for the messages ('in shard 3')."""
-    group, name = knob.split(".")
-    if value // 2 < minimum:
-        tried = [b[name] for b in backoffs] + [value]
-        raise RuntimeError(
-            f"{group} ran out of memory {where} at every batch size tried ({knob} = {tried}) down to "
-            f"{group}.min_{name} = {minimum}: {error}. {kept}"
-        )
-    backoffs.append({**record, name: value, "retry_with": value // 2, "error": error})
-    logger.warning("%s ran out of memory %s at %s=%d; retrying with %d", group, where, knob, value, value // 2)
-    return value // 2
+class OutOfMemory(BaseModel):
+    """Where an attempt ran out of memory: what its step backs off from."""
+
+    error: str = Field(description="the error's first line")
+    where: str = Field(description="what ran out, for messages: 'in shard 3', 'on records [...]'")
+    at: dict[str, Any] = Field(default_factory=dict, description="the unit that ran out, recorded with the back-off")
 
 
+class Backoff(BaseModel):
+    """One halving of a batch setting after an out-of-memory error, as a step's manifest records it."""
+
+    setting: str = Field(description="the setting halved, as a user sets it: 'extract.prefill_batch_tokens'")
+    value: int = Field(description="its value when memory ran out")
+    retry_with: int
+    error: str
+    where: str
+    at: dict[str, Any] = Field(default_factory=dict)
+
+
+class BatchBackoff:
+    """The out-of-memory back-off every GPU step shares: halve one batch setting per out-of-memory
+    attempt, down to its minimum, then fail saying what was tried and what is `kept`."""
+
+    def __init__(self, setting: str, value: int, minimum_setting: str, minimum: int, kept: str):
+        self.setting, self.value, self.minimum_setting, self.minimum, self.kept = setting, value, minimum_setting, minimum, kept
+        self.taken: list[Backoff] = []
+
+    def after(self, oom: OutOfMemory) -> int:
+        """The value to retry with, logged and recorded in `taken`.
+
+        Raises:
+            RuntimeError: half the value would fall below the minimum.
+        """
+        if self.value // 2 < self.minimum:
+            tried = [b.value for b in self.taken] + [self.value]
+            raise RuntimeError(
+                f"ran out of memory {oom.where} at every batch size tried ({self.setting} = {tried}) down to "
+                f"{self.minimum_setting} = {self.minimum}: {oom.error}. {self.kept}"
+            )
+        self.taken.append(Backoff(setting=self.setting, value=self.value, retry_with=self.value // 2, error=oom.error,
+                                  where=oom.where, at=oom.at))
+        logger.warning("ran out of memory %s at %s=%d; retrying with %d", oom.where, self.setting, self.value, self.value // 2)
+        self.value //= 2
+        return self.value

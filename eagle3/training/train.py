@@ -37,7 +37,7 @@ from pydantic import Field
 from eagle3.config import TrainConfig
 from eagle3.data.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.extraction.shards import HiddenStatesManifest, hidden_state_files
-from eagle3.runtime.attempts import NO_GPU, GpuClaim, dying_with_parent, halve_after_oom
+from eagle3.runtime.attempts import NO_GPU, Backoff, BatchBackoff, GpuClaim, OutOfMemory, dying_with_parent
 from eagle3.runtime.devices import gpu_memory_used_mib, resolve_device
 from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.store.artifacts import ArtifactError, ArtifactStore
@@ -59,7 +59,7 @@ class DraftManifest(ArtifactManifest):
     num_steps: int
     tau_sim: float
     checkpoint: str = "checkpoint"
-    backoffs: list[dict] = []
+    backoffs: list[Backoff] = []
     gpu_memory_after_mib: dict[str, int] | None = Field(
         None, description="memory in use on each claimed GPU once the training processes exited"
     )
@@ -150,8 +150,8 @@ def _read_new_lines(path: Path, offset: int) -> tuple[list[dict], int]:
     return [json.loads(line) for line in complete.splitlines()], offset + len(complete)
 
 
-def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) -> str | None:
-    """One attempt as `torchrun` with a process per GPU; returns the out-of-memory message, if any.
+def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) -> OutOfMemory | None:
+    """One attempt as `torchrun` with a process per GPU; returns where memory ran out, if it did.
     Progress is read from the metrics log the rank-0 process appends to. `torch.compile`'s cache
     goes to `compile_cache` unless TORCHINDUCTOR_CACHE_DIR is set: compiling the draft cold takes
     minutes on an H200, against seconds for epochs of steps, and /tmp may not outlive the machine."""
@@ -180,20 +180,20 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) ->
         error = json.loads(markers[0].read_text())["error"]
         for marker in markers:
             marker.unlink()
-        return error
+        return OutOfMemory(error=error, where="in a training step")
     if code != 0:
         raise RuntimeError(f"training exited with code {code}; its log, {log_path}, ends:\n{log_path.read_text()[-3000:]}")
     return None
 
 
-def _in_process(spec: TrainSpec, on_step) -> str | None:
+def _in_process(spec: TrainSpec, on_step) -> OutOfMemory | None:
     import torch
 
     oom = None
     try:
         train_attempt(spec, on_step)
     except torch.OutOfMemoryError as exc:
-        oom = str(exc).splitlines()[0]
+        oom = OutOfMemory(error=str(exc).splitlines()[0], where="in a training step")
     return oom  # returned outside the except block, so the error's frames (and tensors) are freed
 
 
@@ -223,7 +223,10 @@ def train_draft(
             return published
         clock = Stopwatch()  # not counting a wait for another run of this step, or for a GPU
         _speculators_data_dir(work, dataset, hidden_states)
-        backoffs: list[dict] = []
+        backoff = BatchBackoff(
+            "train.total_seq_len", cfg.total_seq_len, "train.min_total_seq_len", cfg.min_total_seq_len,
+            kept=f"Finished epochs are kept in {work / 'checkpoints'}: a re-run resumes from the last.",
+        )
         with clock.excluding_wait(claim()) as gpus:
             spec = TrainSpec(
                 cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=hidden_states.aux_layer_ids,
@@ -232,11 +235,7 @@ def train_draft(
                 init_checkpoint=init.path / init.checkpoint if init else None,
             )
             while (oom := _torchrun(spec, gpus, on_step, store.root / "compile-cache") if gpus else _in_process(spec, on_step)) is not None:
-                halved = halve_after_oom(
-                    "train.total_seq_len", spec.total_seq_len, cfg.min_total_seq_len, backoffs, oom, "in a training step",
-                    f"Finished epochs are kept in {spec.checkpoints}: a re-run resumes from the last.",
-                )
-                spec = spec.model_copy(update={"total_seq_len": halved})
+                spec = spec.model_copy(update={"total_seq_len": backoff.after(oom)})
             gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
 
         last_epoch = max((int(p.name) for p in spec.checkpoints.iterdir() if p.name.isdigit()), default=-1)
@@ -267,7 +266,7 @@ def train_draft(
                 tau_sim=epochs[-1]["tau_sim"],
                 aux_layer_ids=hidden_states.aux_layer_ids,
                 finished_at=datetime.now(UTC),
-                backoffs=backoffs,
+                backoffs=backoff.taken,
                 gpu_memory_after_mib=gpu_memory_after,
                 tokens_per_s=train_timing.median_tokens_per_s(spec.timing_log),
                 time_breakdown_s=train_timing.time_breakdown(spec.timing_log, clock.wall_start, time.time()),

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, VerifierConfig
 from eagle3.data.prepare_dataset import load_dataset_table, prepare_dataset
-from eagle3.extraction.extract_hidden_states import _extract_attempt, extract_hidden_states
+from eagle3.extraction.extract_hidden_states import ExtractAttempt, ShardWork, _extract_attempt, extract_hidden_states
 from eagle3.extraction.shards import hidden_state_files, shard_lock, verify_shard
 from eagle3.extraction.writer import _check_finite, _non_finite_per_slot
 from eagle3.runtime.faults import FAULT_OOM_ENV
@@ -195,13 +195,14 @@ def test_an_attempt_that_finds_every_shard_taken_never_loads_the_verifier(prepar
     _, verifier, dataset = prepared
     shard_root = tmp_path / "shards"
     shard_root.mkdir()
-    todo = [(k, f"shard-{k}", [k]) for k in range(2)]
+    todo = [ShardWork(index=k, key=f"shard-{k}", records=[k]) for k in range(2)]
     no_model = verifier.model_copy(update={"path": tmp_path / "no-model"})
+    spec = ExtractAttempt(dataset=dataset, verifier=no_model, aux=AUX, device="cpu", shard_root=shard_root, todo=todo, budget=1024)
 
     with shard_lock(shard_root, "shard-0"), shard_lock(shard_root, "shard-1"):
-        result = _extract_attempt(dataset, no_model, AUX, "cpu", shard_root, todo, 1024, None, lambda k, extracted: None)
+        result = _extract_attempt(spec, lambda k, extracted: None)
 
-    assert result == {"busy": [0, 1], "oom": None}
+    assert (result.busy, result.oom) == ([0, 1], None)
 
 
 def test_a_run_whose_shards_are_all_extracted_claims_no_gpu(prepared):
@@ -259,8 +260,9 @@ def test_out_of_memory_halves_the_prefill_batch_and_retries_the_shard(prepared, 
 
     manifest = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=4096), dataset, verifier, ArtifactStore(tmp_path / "b"), Provenance())
 
-    assert [(b["prefill_batch_tokens"], b["retry_with"]) for b in manifest.backoffs] == [(4096, 2048), (2048, 1024), (1024, 512)]
-    assert "simulated out of memory" in manifest.backoffs[0]["error"]
+    assert [(b.value, b.retry_with) for b in manifest.backoffs] == [(4096, 2048), (2048, 1024), (1024, 512)]
+    assert manifest.backoffs[0].setting == "extract.prefill_batch_tokens" and manifest.backoffs[0].at == {"shard": 0}
+    assert "simulated out of memory" in manifest.backoffs[0].error
     assert longest <= 512
     assert manifest.digest == direct.digest
 

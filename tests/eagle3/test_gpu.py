@@ -168,6 +168,6 @@ def test_real_cuda_out_of_memory_backs_off_to_a_batch_that_fits(tmp_path):
         filler.kill()
         filler.wait()
 
-    assert manifest.backoffs and all("CUDA out of memory" in b["error"] for b in manifest.backoffs)
-    assert manifest.backoffs[0]["prefill_batch_tokens"] == 16384
+    assert manifest.backoffs and all("CUDA out of memory" in b.error for b in manifest.backoffs)
+    assert manifest.backoffs[0].value == 16384
     assert len(hidden_state_files(manifest)) == manifest.num_records

@@ -11,22 +11,31 @@ import time
 
 import pytest
 import torch
+from pydantic import BaseModel
 
 from eagle3.runtime.attempts import ChildProcessFailed, run_attempt
 from eagle3.runtime.devices import lock_free_gpus
 from eagle3.store.artifacts import ArtifactError
 
 
-def report_devices(steps: int, on_progress) -> dict:
-    for step in range(steps):
-        on_progress(step + 1, steps)
+class Steps(BaseModel):
+    steps: int = 1
+
+
+class Failure(BaseModel):
+    kind: str
+
+
+def report_devices(spec: Steps, on_progress) -> dict:
+    for step in range(spec.steps):
+        on_progress(step + 1, spec.steps)
     return {"pid": os.getpid(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
-def fail_with(kind: str, on_progress) -> None:
-    if kind == "oom":
+def fail_with(spec: Failure, on_progress) -> None:
+    if spec.kind == "oom":
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    if kind == "artifact":
+    if spec.kind == "artifact":
         raise ArtifactError("/data/train.jsonl", "record 7: field 'messages' is missing")
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -34,14 +43,14 @@ def fail_with(kind: str, on_progress) -> None:
 def test_an_attempt_runs_in_a_child_that_sees_only_its_devices():
     progress = []
 
-    result = run_attempt(report_devices, {"steps": 3}, ["2", "5"], lambda *p: progress.append(p))
+    result = run_attempt(report_devices, Steps(steps=3), ["2", "5"], lambda *p: progress.append(p))
 
     assert result["pid"] != os.getpid()
     assert result["visible"] == "2,5"
     assert progress == [(1, 3), (2, 3), (3, 3)]
 
 
-def log_in_child(on_progress) -> None:
+def log_in_child(spec: Steps, on_progress) -> None:
     logging.getLogger("eagle3.extraction.extract_hidden_states").warning("waiting for shard %d", 3)
     logging.getLogger("eagle3.extraction.extract_hidden_states").debug("below the flow's level: not sent")
     logging.getLogger("other").warning("not the library's: stays in the child")
@@ -49,27 +58,27 @@ def log_in_child(on_progress) -> None:
 
 def test_a_child_s_library_log_records_are_logged_in_this_process(caplog):
     with caplog.at_level(logging.INFO, logger="eagle3"):
-        run_attempt(log_in_child, {}, ["0"])
+        run_attempt(log_in_child, Steps(), ["0"])
 
     assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
         ("eagle3.extraction.extract_hidden_states", logging.WARNING, "waiting for shard 3")]
 
 
 def test_without_devices_the_attempt_runs_in_this_process():
-    assert run_attempt(report_devices, {"steps": 1}, None)["pid"] == os.getpid()
+    assert run_attempt(report_devices, Steps(), None)["pid"] == os.getpid()
 
 
 def test_out_of_memory_and_input_errors_come_back_as_themselves():
     with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 2.00 GiB"):
-        run_attempt(fail_with, {"kind": "oom"}, ["0"])
+        run_attempt(fail_with, Failure(kind="oom"), ["0"])
     with pytest.raises(ArtifactError, match="record 7: field 'messages'") as error:
-        run_attempt(fail_with, {"kind": "artifact"}, ["0"])
+        run_attempt(fail_with, Failure(kind="artifact"), ["0"])
     assert str(error.value.path) == "/data/train.jsonl"
 
 
 def test_a_killed_child_is_an_error_with_its_exit_code():
     with pytest.raises(ChildProcessFailed, match=r"fail_with died in its child process \(exit code -9\)"):
-        run_attempt(fail_with, {"kind": "kill"}, ["0"])
+        run_attempt(fail_with, Failure(kind="kill"), ["0"])
 
 
 def test_device_locks_hand_out_distinct_devices_and_wait_when_all_are_taken(tmp_path):
@@ -100,7 +109,7 @@ def test_a_killed_holder_frees_its_devices_at_once(tmp_path):
         assert devices == ["0"] and time.monotonic() - start < 1.5
 
 
-def report_pid_then_wait(on_progress) -> None:
+def report_pid_then_wait(spec: Steps, on_progress) -> None:
     on_progress(os.getpid())
     time.sleep(120)
 
@@ -111,8 +120,8 @@ ORPHANING_PARENT = {
 import sys
 sys.path.insert(0, sys.argv[1])
 from eagle3.runtime.attempts import run_attempt
-from test_isolation import report_pid_then_wait
-run_attempt(report_pid_then_wait, {}, ["0"], lambda pid: print(pid, flush=True))
+from test_isolation import Steps, report_pid_then_wait
+run_attempt(report_pid_then_wait, Steps(), ["0"], lambda pid: print(pid, flush=True))
 """,
     "command": """
 import subprocess, sys

@@ -13,7 +13,7 @@ from tiny_models import CHATML, tiny_llama
 
 from eagle3.config import EndpointConfig, RegenerateConfig, VerifierConfig
 from eagle3.data.prepare_dataset import read_user_turns
-from eagle3.data.regenerate import RegeneratedManifest, _answer_batch, _answer_text, _transformers_attempt, regenerate
+from eagle3.data.regenerate import RegenerateAttempt, RegeneratedManifest, _answer_batch, _answer_text, _transformers_attempt, regenerate
 from eagle3.evaluation.speculative import greedy_decode
 from eagle3.runtime.attempts import run_attempt
 from eagle3.runtime.faults import FAULT_OOM_ENV
@@ -222,8 +222,8 @@ def test_out_of_memory_halves_the_batch_and_publishes_the_same_artifact(verifier
 
     backed_off = regenerate(cfg, prompts, manifest, ArtifactStore(tmp_path / "oom"), Provenance())
 
-    assert [(b["batch_size"], b["retry_with"]) for b in backed_off.backoffs] == [(4, 2)]
-    assert backed_off.backoffs[0]["error"] == f"simulated out of memory: 3 x 31 padded prompt tokens > {FAULT_OOM_ENV}=80"
+    assert [(b.setting, b.value, b.retry_with) for b in backed_off.backoffs] == [("regenerate.batch_size", 4, 2)]
+    assert backed_off.backoffs[0].error == f"simulated out of memory: 3 x 31 padded prompt tokens > {FAULT_OOM_ENV}=80"
     # Greedy answers do not depend on the batch (left padding is masked; fp32 on CPU): the same rows.
     rows = pq.read_table(backed_off.path / "conversations.parquet").to_pylist()
     assert rows == pq.read_table(direct.path / "conversations.parquet").to_pylist()
@@ -249,11 +249,12 @@ def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried_and_keeps_fini
 
 def test_an_attempt_in_a_child_process_writes_what_it_writes_in_process(verifier, prompts, tmp_path):
     _, manifest = verifier
-    attempt = {"todo": read_user_turns(prompts, None), "cfg": CFG, "verifier": manifest, "device": "cpu", "batch_size": 2}
+    attempt = RegenerateAttempt(todo=read_user_turns(prompts, None), cfg=CFG, verifier=manifest, device="cpu", batch_size=2,
+                                done_log=tmp_path / "in_process.jsonl")
     progress = []
 
-    in_process = run_attempt(_transformers_attempt, {**attempt, "done_log": tmp_path / "in_process.jsonl"}, None)
-    in_child = run_attempt(_transformers_attempt, {**attempt, "done_log": tmp_path / "in_child.jsonl"}, ["0"], progress.append)
+    in_process = run_attempt(_transformers_attempt, attempt, None)
+    in_child = run_attempt(_transformers_attempt, attempt.model_copy(update={"done_log": tmp_path / "in_child.jsonl"}), ["0"], progress.append)
 
     assert in_process is None and in_child is None
     assert (tmp_path / "in_child.jsonl").read_text() == (tmp_path / "in_process.jsonl").read_text()

@@ -188,8 +188,8 @@ def test_out_of_memory_resumes_from_the_last_checkpoint_with_half_the_batch(inpu
 
     manifest = train_draft(TrainConfig(epochs=1, total_seq_len=512, min_total_seq_len=128), dataset, hidden, vocab, verifier, store, Provenance(config={"run": "oom"}))
 
-    assert [(b["total_seq_len"], b["retry_with"]) for b in manifest.backoffs] == [(512, 256)]
-    assert "simulated out of memory: 512 training tokens" in manifest.backoffs[0]["error"]
+    assert [(b.setting, b.value, b.retry_with) for b in manifest.backoffs] == [("train.total_seq_len", 512, 256)]
+    assert "simulated out of memory: 512 training tokens" in manifest.backoffs[0].error
     assert manifest.num_steps > 0 and [e["epoch"] for e in manifest.epochs] == [0]
 
 

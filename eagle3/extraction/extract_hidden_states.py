@@ -43,7 +43,7 @@ from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory
 from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.store.artifacts import ArtifactStore, step_provenance
-from eagle3.store.files import atomic_write_text
+from eagle3.store.files import atomic_write_text, fsync
 from eagle3.store.manifests import Provenance
 from eagle3.verifier.capture import HiddenStateCapture
 from eagle3.verifier.loading import load_text_model
@@ -173,9 +173,11 @@ class _Source:
 def _finish_shard(spec: ExtractAttempt, writer: OverlappedWriter, partial: Path, shard: ShardWork, input_ids: list[list[int]]) -> None:
     """Check every file of an extracted shard, record their digests, and move it into place."""
     verify_shard(partial, [input_ids[i] for i in shard.records], len(spec.aux) + 1, spec.verifier.hidden_size)
+    writer.sync(partial)
     digests = {p.name: writer.digests.pop(p) for p in sorted(writer.digests) if p.parent == partial}
     atomic_write_text(partial / "done.json", json.dumps({"sha256": digests}, indent=0))
     os.replace(partial, spec.shard_root / shard.key)
+    fsync(spec.shard_root)
 
 
 def _extract_attempt(spec: ExtractAttempt, on_progress: Progress) -> AttemptOutcome:

@@ -1,5 +1,15 @@
-"""Writing shard files off the critical path: device-to-host copies and file writes on worker
-threads while the device computes the next batch."""
+"""Writing shard files off the critical path, so extraction runs at the rate of its slowest stage
+(the verifier's forward, the device-to-host copy, or the disk), not at the sum of all three.
+
+Per batch, on the thread that runs the verifier: count non-finite values on the device, then
+queue the copy of the states into a reused pinned host buffer on a copy stream of its own (a copy
+to pageable memory, or a freshly pinned one, would synchronize with the device and serialize with
+the next batch's forward). Per row, on worker threads: wait for that copy, serialize, hash and
+write the file (atomic, fsynced), so several files are written at once (one fsynced writer reaches
+~0.9 GB/s on the GPU hosts measured, eight ~1.4 GB/s). At most `buffers` batches are in flight;
+each holds its states in device memory until its copy is done and its host buffer until its files
+are written.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +22,7 @@ import torch
 from safetensors.torch import save
 
 from eagle3.store.artifacts import ArtifactError
-from eagle3.store.files import atomic_write_bytes
+from eagle3.store.files import atomic_write_bytes, fsync
 
 __all__ = ["OverlappedWriter"]
 
@@ -22,71 +32,98 @@ def _non_finite_per_slot(states: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(states)).sum(dim=(1, 3))
 
 
-def _check_finite(path: Path, non_finite: torch.Tensor) -> None:
-    if non_finite.any():
-        raise ArtifactError(path, f"field 'hidden_states': non-finite values per layer slot {non_finite.tolist()}")
+class _Batch:
+    """One batch in flight: its host copy (ready once `copied` fires), the pinned buffer that holds
+    it (None on the CPU), and its row writes."""
+
+    def __init__(self, host: torch.Tensor, buffer: torch.Tensor | None, non_finite: torch.Tensor, copied: torch.cuda.Event | None):
+        self.host, self.buffer, self.non_finite, self.copied = host, buffer, non_finite, copied
+        self.writes: list[Future] = []
+
+    def wait_for_copy(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()  # releases the GIL while the copy engine works
 
 
 class OverlappedWriter:
-    """Copies each batch's states to the host and writes its files on worker threads, so the
-    device computes the next batch meanwhile. On CUDA the copy runs on its own stream; at most
-    `max_pending` batches are in flight (each holds its states in device memory until copied)."""
+    """Copies each batch's states to the host and writes one file per row on worker threads while
+    the device computes the next batch; `digests` holds each written file's sha256."""
 
-    def __init__(self, device: torch.device, workers: int = 4, max_pending: int = 2):
+    def __init__(self, device: torch.device, workers: int = 8, buffers: int = 3):
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="hs-writer")
-        self.pending: deque[Future] = deque()
-        self.max_pending = max_pending
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.in_flight: deque[_Batch] = deque()
+        self.buffers = buffers
+        self.free: list[torch.Tensor] = []  # flat pinned buffers of finished batches, reused
         self.digests: dict[Path, str] = {}  # sha256 of each file, hashed from memory as written
 
     def submit(self, states: torch.Tensor, rows: list[tuple[Path, torch.Tensor]]) -> None:
         """`states` [batch, seq, 4, H] on the device; `rows`: (path, token ids) per batch row."""
+        while len(self.in_flight) >= self.buffers:
+            self._retire(self.in_flight.popleft())
         non_finite = _non_finite_per_slot(states)
-        event = None
-        if self.stream is not None:
-            event = torch.cuda.Event()
-            event.record()
+        if self.stream is None:
+            batch = _Batch(states.to(torch.bfloat16), None, non_finite, None)
+        else:
+            buffer = self._pinned(states.numel())
+            host = buffer[: states.numel()].view(states.shape)
+            computed, copied = torch.cuda.Event(), torch.cuda.Event()
+            computed.record()
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(computed)
+                host.copy_(states, non_blocking=True)
+                counts = non_finite.to("cpu", non_blocking=True)
+                copied.record()
+            # The allocator must keep both device tensors until the copy stream has read them.
             states.record_stream(self.stream)
             non_finite.record_stream(self.stream)
-        self.pending.append(self.pool.submit(self._write, states, non_finite, event, rows))
-        while len(self.pending) > self.max_pending:
-            self.pending.popleft().result()
+            batch = _Batch(host, buffer, counts, copied)
+        batch.writes = [self.pool.submit(self._write_row, batch, row, path, ids) for row, (path, ids) in enumerate(rows)]
+        self.in_flight.append(batch)
 
-    def _write(self, states: torch.Tensor, non_finite: torch.Tensor, event, rows) -> None:
-        if self.stream is not None:
-            # Pinned destination: a copy to pageable memory cannot overlap the next batch's
-            # kernels. torch's pinned allocator caches the blocks, so this is allocated once.
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(event)
-                host = torch.empty(states.shape, dtype=torch.bfloat16, pin_memory=True)
-                host.copy_(states, non_blocking=True)
-                non_finite = non_finite.cpu()
-            self.stream.synchronize()
-        else:
-            host = states.to(torch.bfloat16)
-        for row, (path, token_ids) in enumerate(rows):
-            _check_finite(path, non_finite[row])
-            payload = save({"hidden_states": host[row, : len(token_ids)].contiguous(), "token_ids": token_ids})
-            atomic_write_bytes(path, payload)  # on disk before the shard's done.json says so
-            self.digests[path] = hashlib.sha256(payload).hexdigest()
+    def _pinned(self, numel: int) -> torch.Tensor:
+        """A flat pinned bf16 buffer of at least `numel` values: a reused one where one is large enough."""
+        for i, buffer in enumerate(self.free):
+            if buffer.numel() >= numel:
+                return self.free.pop(i)
+        return torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
+
+    def _write_row(self, batch: _Batch, row: int, path: Path, token_ids: torch.Tensor) -> None:
+        batch.wait_for_copy()
+        if batch.non_finite[row].any():
+            raise ArtifactError(path, f"field 'hidden_states': non-finite values per layer slot {batch.non_finite[row].tolist()}")
+        payload = save({"hidden_states": batch.host[row, : len(token_ids)].contiguous(), "token_ids": token_ids})
+        atomic_write_bytes(path, payload, sync=False)  # synced with the shard's other files (`sync`)
+        self.digests[path] = hashlib.sha256(payload).hexdigest()
+
+    def sync(self, directory: Path) -> None:
+        """Make every file in `directory`, and its entries, durable: before a shard's done.json says
+        they are there. Files flush in parallel; the kernel has been writing them back all along."""
+        list(self.pool.map(fsync, [p for p in directory.iterdir() if p.is_file()]))
+        fsync(directory)
+
+    def _finish(self, batch: _Batch) -> BaseException | None:
+        """Wait for a batch's writes and take its pinned buffer back; its first failure, if any."""
+        errors = [exc for future in batch.writes if (exc := future.exception()) is not None]
+        if batch.buffer is not None:
+            self.free.append(batch.buffer)
+        return errors[0] if errors else None
+
+    def _retire(self, batch: _Batch) -> None:
+        if (error := self._finish(batch)) is not None:
+            raise error
 
     def drain(self) -> None:
         """Wait for every pending write; re-raise the first failure."""
-        errors = []
-        while self.pending:
-            try:
-                self.pending.popleft().result()
-            except Exception as exc:
-                errors.append(exc)
+        errors = [error for error in (self._finish(self.in_flight.popleft()) for _ in range(len(self.in_flight))) if error]
         if errors:
             raise errors[0]
 
     def discard(self) -> None:
         """Let every pending write finish, and forget them and their failures: they belong to a
         shard that failed and is redone from its start."""
-        while self.pending:
-            self.pending.popleft().exception()  # waits; never raises
+        while self.in_flight:
+            self._finish(self.in_flight.popleft())
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-

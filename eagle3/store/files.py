@@ -13,15 +13,18 @@ TEMP_SUFFIX = ".tmp"  # atomic_write_bytes' temp files: one left behind was a wr
 _CHUNK = 1 << 20
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """`data` in `path` whole or not at all: written to a temp file beside it, synced, renamed over it."""
+def atomic_write_bytes(path: Path, data: bytes, sync: bool = True) -> None:
+    """`data` in `path` whole or not at all: written to a temp file beside it, synced, renamed over it.
+    `sync=False` leaves the flush to the caller, who must `fsync` the file before anything says it
+    is there (extraction syncs a shard's files together, so the disk writes them back meanwhile)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

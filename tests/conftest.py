@@ -167,21 +167,26 @@ def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str
 
 
 def publish_evaluation(store, name: str, taus: dict[int, float], verifier="a" * 64, prompts="b" * 64, max_new_tokens=64, num_prompts=4,
-                       draft="d" * 64, counts=None, **measured):
+                       draft="d" * 64, counts=None, ngram_tau: float | None = 1.2, **measured):
     """Checkpoint `name` (of `draft`) and an evaluation of it in `store`, shaped as the evaluate step
-    publishes them; `counts` (k -> each prompt's EAGLE-3 tokens and passes) go to its per_prompt.json."""
+    publishes them; `counts` (k -> each prompt's EAGLE-3 tokens and passes) go to its per_prompt.json.
+    `ngram_tau`: the baselines' n-gram tau at every k (None: none measured, as with backend 'vllm')."""
     from eagle3.evaluation.evaluate import EvalManifest
     from eagle3.evaluation.tau import PER_PROMPT
 
     checkpoint = publish_text_artifact(store, "checkpoint", name, {"draft": draft})
     settings = {"prompts_path": None, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "ks": list(taus), **measured}
-    results = [{"method": method, "k": k, "tau": tau if method == "eagle3" else 1.2} for method in ("eagle3", "ngram") for k, tau in taus.items()]
+    results = [{"method": "eagle3", "k": k, "tau": tau} for k, tau in taus.items()]
+    gains = None
+    if ngram_tau is not None:
+        results += [{"method": "ngram", "k": k, "tau": ngram_tau} for k in taus]
+        gains = [{"k": k, "gain": tau - ngram_tau, "standard_error": 0.1} for k, tau in taus.items()]
     return publish_text_artifact(
         store, "evaluation", json.dumps([name, settings, results]),
         {"checkpoint": checkpoint.digest, "hidden_states": "e" * 64, "verifier": verifier, "prompts": prompts},
         manifest_type=EvalManifest, files={PER_PROMPT: json.dumps({"eagle3": counts})} if counts else None,
         config={"cfg": settings}, num_prompts=num_prompts, num_tokens=num_prompts * max_new_tokens,
-        tau_sim=2.5, results=results, greedy_tokens_per_s=100.0, mismatches=0,
+        tau_sim=2.5, results=results, gains_over_ngram=gains, greedy_tokens_per_s=100.0, mismatches=0,
     )
 
 

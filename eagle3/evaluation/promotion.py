@@ -14,7 +14,9 @@ The decision depends on history, so it is no artifact and never cached. Each dec
 to the store's promotion registry (`eagle3.store.promotions`), where later runs and `eagle3
 promoted` find it without a server.
 A re-run of the same checkpoint does not count its own earlier records: while nothing better has
-been promoted since, it stays promoted.
+been promoted since, it stays promoted. Whatever the history, a draft whose tau does not beat n-gram
+prompt lookup's on the same prompts (by `min_gain_over_ngram`) is not promoted: n-gram lookup needs
+no training, so such a draft is not worth serving, and the summary says so.
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ def _comparison(evaluation: EvalManifest, k: int | None) -> tuple[ComparisonKey,
     return key, taus[k]
 
 
+def _against_ngram(evaluation: EvalManifest, k: int, cfg: PromotionConfig) -> tuple[float | None, bool | None]:
+    """n-gram prompt lookup's tau at k on the evaluation's prompts, and whether the draft beats it by
+    more than `cfg.min_gain_over_ngram` (None, None: the evaluation measured no n-gram baseline)."""
+    ngram = next((r["tau"] for r in evaluation.results if r["method"] == "ngram" and r["k"] == k), None)
+    gain = next((g["gain"] for g in evaluation.gains_over_ngram or [] if g["k"] == k and g["gain"] is not None), None)
+    if ngram is None or gain is None:
+        return None, None
+    return ngram, gain > cfg.min_gain_over_ngram
+
+
 def _beats(gain: float, error: float | None, cfg: PromotionConfig) -> bool:
     """Whether a gain over the best earlier tau clears both bars (the error's only where measured)."""
     return gain > cfg.min_improvement and (error is None or gain > cfg.min_standard_errors * error)
@@ -85,6 +97,7 @@ def promote(cfg: PromotionConfig, evaluation: EvalManifest, store: ArtifactStore
     key, tau = _comparison(evaluation, cfg.k)
     checkpoint = evaluation.parents["checkpoint"]
     with promotions_held(store) as records:
+        ngram_tau, beats_ngram = _against_ngram(evaluation, key.k, cfg)
         best = best_promoted(records, key, other_than=checkpoint)
         error = _paired_error(evaluation, best, store) if best else None
         now = datetime.now(UTC)
@@ -98,7 +111,10 @@ def promote(cfg: PromotionConfig, evaluation: EvalManifest, store: ArtifactStore
             tau=tau,
             tau_sim=evaluation.tau_sim,
             min_improvement=cfg.min_improvement,
-            promoted=best is None or _beats(tau - best.tau, error, cfg),
+            promoted=beats_ngram is not False and (best is None or _beats(tau - best.tau, error, cfg)),
+            ngram_tau=ngram_tau,
+            min_gain_over_ngram=cfg.min_gain_over_ngram,
+            beats_ngram=beats_ngram,
             best_earlier_run_id=best.run_id if best else None,
             best_earlier_checkpoint=best.checkpoint if best else None,
             best_earlier_tau=best.tau if best else None,

@@ -60,6 +60,10 @@ class PromotionRecord(BaseModel):
     best_earlier_checkpoint: str | None = None
     best_earlier_tau: float | None = None
     min_standard_errors: float = 0.0  # the bar in standard errors, applied where gain_standard_error is measured
+    ngram_tau: float | None = Field(None, description="n-gram prompt lookup's tau at key.k on the same prompts (None: not measured)")
+    min_gain_over_ngram: float = 0.0
+    beats_ngram: bool | None = Field(
+        None, description="whether tau beats ngram_tau by more than min_gain_over_ngram (None: no n-gram baseline to check)")
     gain_standard_error: float | None = Field(
         None, description="standard error of tau minus best_earlier_tau, paired over the prompts (None: no best "
         "earlier; either evaluation kept no per-prompt counts, as backend 'vllm' and evaluations made before they "
@@ -67,8 +71,12 @@ class PromotionRecord(BaseModel):
 
     def summary(self) -> str:
         measured = f"tau {self.tau:.3f} at k={self.key.k} on {self.key.num_prompts} prompts"
+        if self.beats_ngram is False:
+            return (f"not promoted: {measured} does not beat n-gram prompt lookup's tau {self.ngram_tau:.3f} on the same prompts "
+                    f"by more than {self.min_gain_over_ngram}: not worth serving, since n-gram lookup needs no training")
+        unchecked_ngram = "; n-gram lookup not measured here, so not compared" if self.beats_ngram is None else ""
         if self.best_earlier_tau is None:
-            return f"promoted: {measured}; first checkpoint evaluated on this verifier and eval set"
+            return f"promoted: {measured}; first checkpoint evaluated on this verifier and eval set{unchecked_ngram}"
         verdict = "promoted" if self.promoted else "not promoted"
         beats = "beats" if self.promoted else "does not beat"
         bar, unchecked = f"more than {self.min_improvement}", ""
@@ -78,7 +86,7 @@ class PromotionRecord(BaseModel):
             unchecked = f" ({self.min_standard_errors} standard errors not checked: no paired standard error measured)"
         gain = with_error(self.tau - self.best_earlier_tau, self.gain_standard_error, signed=True)
         return (f"{verdict}: {measured} {beats} the best earlier promoted tau {self.best_earlier_tau:.3f} "
-                f"(checkpoint {self.best_earlier_checkpoint[:12]}) by {bar}: {gain}{unchecked}")
+                f"(checkpoint {self.best_earlier_checkpoint[:12]}) by {bar}: {gain}{unchecked}{unchecked_ngram}")
 
 
 def read_promotions(store: ArtifactStore) -> list[PromotionRecord]:

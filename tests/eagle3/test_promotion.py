@@ -248,3 +248,36 @@ def test_eagle3_promoted_prints_the_best_checkpoint_per_eval_set(tmp_path, capsy
     assert len(lines) == 2
     assert lines[0].startswith("tau 2.500 at k=3") and lines[0].endswith(str(best.checkpoint_path))
     assert lines[1].startswith("tau 1.500 at k=3") and lines[1].endswith(str(other.checkpoint_path))
+
+
+def test_a_draft_that_does_not_beat_ngram_lookup_is_not_promoted_even_as_the_first(tmp_path):
+    store = ArtifactStore(tmp_path)
+
+    record = promote(DEFAULT, publish_evaluation(store, "demo", {3: 1.1}, ngram_tau=1.45), store, "run-1")
+
+    assert not record.promoted and record.beats_ngram is False and record.ngram_tau == 1.45
+    assert record.summary() == (
+        "not promoted: tau 1.100 at k=3 on 4 prompts does not beat n-gram prompt lookup's tau 1.450 on the same prompts "
+        "by more than 0.0: not worth serving, since n-gram lookup needs no training"
+    )
+    assert promoted_checkpoints(store) == []
+
+
+def test_the_margin_over_ngram_lookup_is_a_setting(tmp_path):
+    store = ArtifactStore(tmp_path)
+    wide_margin = PromotionConfig(min_gain_over_ngram=0.5)
+
+    narrow = promote(wide_margin, publish_evaluation(store, "narrow", {3: 1.6}, ngram_tau=1.2), store, "run-1")
+    clear = promote(wide_margin, publish_evaluation(store, "clear", {3: 1.8}, ngram_tau=1.2), store, "run-2")
+
+    assert (narrow.promoted, clear.promoted) == (False, True)
+    assert clear.summary().startswith("promoted: tau 1.800 at k=3 on 4 prompts; first checkpoint evaluated")
+
+
+def test_without_an_ngram_baseline_the_summary_says_it_was_not_compared(tmp_path):
+    store = ArtifactStore(tmp_path)
+
+    record = promote(DEFAULT, publish_evaluation(store, "served", {3: 2.0}, ngram_tau=None, backend="vllm"), store, "run-1")
+
+    assert record.promoted and record.beats_ngram is None
+    assert record.summary().endswith("; n-gram lookup not measured here, so not compared")

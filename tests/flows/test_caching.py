@@ -85,8 +85,9 @@ def test_identical_second_run_is_entirely_cached_and_says_nothing_changed(first_
     assert states == dict.fromkeys(STEPS, "Cached")
     assert second.checkpoint.digest == first.checkpoint.digest
     assert (second.checkpoint.path / "model.safetensors").exists()
-    # Not compared with itself: the same checkpoint stays promoted; both decisions are in the store and the UI.
-    assert first.promotion.promoted and second.promotion.promoted and second.promotion.best_earlier_tau is None
+    # Not compared with itself: the same checkpoint gets the same decision (a random tiny verifier's draft need
+    # not beat n-gram lookup); both decisions are in the store and the UI.
+    assert second.promotion.promoted == first.promotion.promoted and second.promotion.best_earlier_tau is None
     assert read_promotions(ArtifactStore(config.store_dir)) == [first.promotion, second.promotion]
     assert _published("promotion", second.promotion.run_id).description == second.promotion.summary()
     # What changed comes from the producers in the store: every artifact names the first run.

@@ -12,6 +12,7 @@ from fingerprints import check_pinned, fingerprint_tree
 from eagle3.cli import main
 from eagle3.config import VerifierConfig
 from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.promotions import read_promotions
 from eagle3.verifier import resolve_verifier as verifier_module
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -55,7 +56,9 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     assert f"(accuracy's ceiling): {evaluation['draft_vocab_coverage']:.3f}" in printed
     [replay] = (store / "runs").glob("*.yaml")
     assert f"replay: eagle3 run --config {replay}" in printed
-    assert "promoted: tau" in printed and "first checkpoint evaluated on this verifier and eval set" in printed
+    [decision] = read_promotions(ArtifactStore(store))
+    assert decision.summary() in printed
+    assert decision.promoted == decision.beats_ngram  # the first on its eval set: only n-gram lookup can hold it back
 
     def convert_again(gguf: Path, out: Path) -> None:
         raise AssertionError(f"{gguf} was dequantized again")

@@ -7,6 +7,7 @@ local one; point PREFECT_API_URL at `prefect server start` to see runs in the UI
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from eagle3.config import ConfigError, load_config
@@ -24,12 +25,18 @@ def _parser() -> argparse.ArgumentParser:
     config = commands.add_parser("config", help="print every setting: its value, default, cache-key role and description")
     config.add_argument("--config", help="YAML file shaped like PipelineConfig, to show its resolved values")
     config.add_argument("overrides", nargs="*", help="key.sub=value, as for `eagle3 run`")
+    plan = commands.add_parser(
+        "plan", help="print whether the run fits its GPUs and disk, and what it will cost, from configs alone (no weights read)"
+    )
+    plan.add_argument("--config", help="YAML file shaped like PipelineConfig")
+    plan.add_argument("overrides", nargs="*", help="key.sub=value, as for `eagle3 run` (verifier.gpu_memory_gib=139.8 plans for GPUs this host lacks)")
     server = commands.add_parser(
         "extraction-server", help="print the `vllm serve` command of a server that extracts hidden states (extract.backend=vllm)"
     )
     server.add_argument("--config", help="YAML file shaped like PipelineConfig (its verifier, extract.* and store_dir)")
     server.add_argument("overrides", nargs="*", help="key.sub=value, as for `eagle3 run`")
-    server.add_argument("--storage", help="directory the server writes states to and this host reads (default: <store>/served-states)")
+    server.add_argument("--storage", help="directory the server writes states to and this host reads "
+                        "(default: extract.served_states_dir, else <store>/served-states)")
     server.add_argument(
         "--cpu", action="store_true",
         help="for a CPU build of vLLM (run with its environment's python): this package's connector in place of vLLM's CUDA one",
@@ -50,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     gc.add_argument("--keep-runs", type=int, default=5, help="recorded runs whose artifacts stay (default 5)")
     gc.add_argument("--store", help="artifact store directory (default: PipelineConfig's store_dir)")
     gc.add_argument("--dry-run", action="store_true", help="only report what would be removed")
+    verify = artifact_commands.add_parser(
+        "verify", help="check every artifact against its digest and every hidden-state shard against its recorded sha256"
+    )
+    verify.add_argument("--store", help="artifact store directory (default: PipelineConfig's store_dir)")
+    verify.add_argument("--remove", action="store_true", help="remove what is damaged (and what lists it): the next run computes it again")
     return parser
 
 
@@ -66,6 +78,15 @@ def _config(args) -> int:
         print(f"{doc.name} = {doc.value!r}{set_to}")
         print(textwrap.fill(f"{doc.description} [{key}]", width=100, initial_indent="    ", subsequent_indent="    "))
     return 0
+
+
+def _plan(args) -> int:
+    """The plan; exit 1 where a step's verifier does not fit the GPUs it claims."""
+    from eagle3.plan import make_plan
+
+    plan = make_plan(load_config(args.config, args.overrides))
+    print(plan.render())
+    return 0 if plan.fits else 1
 
 
 def _existing_store(path: str | None):
@@ -100,6 +121,25 @@ def _gc(args) -> int:
     verb = "would remove" if args.dry_run else "removed"
     print(f"{verb} {result['removed']} artifacts/shards ({result['bytes'] / 1e6:.1f} MB); kept the latest {result['runs_kept']} runs")
     return 0
+
+
+def _verify(args) -> int:
+    """One line per damaged artifact or shard; exit 1 if any."""
+    from eagle3.store.verify import remove_damaged, verify_store
+
+    if (store := _existing_store(args.store)) is None:
+        return 2
+    checked, damaged = verify_store(store)
+    for damage in damaged:
+        print(damage)
+    if damaged and args.remove:
+        removed = remove_damaged(store, damaged)
+        print(f"removed {len(removed)} artifacts/shards: the next run computes them again")
+    elif damaged:
+        print("eagle3 artifacts verify --remove deletes them (and the artifacts listing a damaged shard): the next run computes them again",
+              file=sys.stderr)
+    print(f"checked {checked} artifacts and shards: {len(damaged)} damaged", file=sys.stderr)
+    return 1 if damaged else 0
 
 
 def _lineage(args) -> int:
@@ -161,7 +201,7 @@ def _extraction_server(args) -> int:
     config = load_config(args.config, args.overrides)
     verifier = resolve_verifier(config.verifier, ArtifactStore(Path(config.store_dir).expanduser()))
     aux = resolve_aux_layer_ids(config.extract.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
-    storage = Path(args.storage or Path(config.store_dir) / SERVED_STATES).expanduser().resolve()
+    storage = Path(args.storage or config.extract.served_states_dir or Path(config.store_dir) / SERVED_STATES).expanduser().resolve()
     endpoint = config.extract.endpoint
     url = urlsplit(endpoint.base_url)
     # The CPU build is not the distribution "vllm", which the `vllm` command looks up: start the module.
@@ -203,13 +243,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "lineage":
         return _lineage(args)
     if args.command == "artifacts":
-        return _gc(args)
+        return _verify(args) if args.artifacts_command == "verify" else _gc(args)
     if args.command == "promoted":
         return _promoted(args)
     if args.command == "config":
         try:
             return _config(args)
         except ConfigError as exc:
+            print(f"eagle3: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "plan":
+        from eagle3.store.artifacts import ArtifactError
+
+        try:
+            return _plan(args)
+        except (ConfigError, ArtifactError) as exc:
             print(f"eagle3: {exc}", file=sys.stderr)
             return 2
     if args.command == "extraction-server":
@@ -220,23 +268,57 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, ArtifactError) as exc:
             print(f"eagle3: {exc}", file=sys.stderr)
             return 2
+    return _run(args)
+
+
+def _run(args) -> int:
+    """Check what can be checked before Prefect starts (`eagle3.preflight`), then run the flow.
+    Bad input, not a bug, ends in one line per problem naming its file, record and field, and exit 2
+    (finished steps stay cached); tracebacks go to the run's log file, not the terminal."""
+    from datetime import UTC, datetime
+    from pathlib import Path
+
+    from eagle3.preflight import preflight, storage_problem
+
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2
+    if problems := preflight(config):
+        for problem in problems:
+            print(f"eagle3: {problem}", file=sys.stderr)
+        return 2
+    from tasks.temporary_server import start_temporary_server
+
+    store = Path(config.store_dir).expanduser()
+    log_file = store / "logs" / f"run-{datetime.now(UTC):%Y%m%dT%H%M%S}-{os.getpid()}.log"
+    server = start_temporary_server(log_file.with_suffix(".server.log"))  # it starts while the flow's modules load
     from eagle3.serving.endpoint import EndpointError
     from eagle3.store.artifacts import ArtifactError
     from flows.train_draft import train_eagle3_draft
     from tasks.gpu import ensure_gpu_limit
+    from tasks.settings import tracebacks_to
 
-    ensure_gpu_limit()
-    try:
-        result = train_eagle3_draft(config)
-    except (ConfigError, ArtifactError, EndpointError) as exc:
-        # Bad input, not a bug: one line naming the file, record and field; finished steps stay cached.
-        print(f"eagle3: {exc}", file=sys.stderr)
-        return 2
+    if server is not None:
+        server.wait_until_healthy()
+    with tracebacks_to(log_file):
+        try:
+            ensure_gpu_limit()
+            result = train_eagle3_draft(config)
+        except (ConfigError, ArtifactError, EndpointError) as exc:
+            print(f"eagle3: {exc}", file=sys.stderr)
+            return 2
+        except Exception as exc:
+            if (problem := storage_problem(exc, store)) is None:
+                raise
+            print(f"eagle3: {problem}", file=sys.stderr)
+            return 2
+    _print_result(result)
+    return 0
+
+
+def _print_result(result) -> None:
     checkpoint, evaluation = result.checkpoint, result.evaluation
     print(f"checkpoint: {checkpoint.path}")
     print(f"simulated acceptance length (tau_sim): {checkpoint.tau_sim:.3f}")
@@ -255,8 +337,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"serve it: vllm serve {checkpoint.path}")
     print(f"{result.lineage.changes} Lineage: eagle3 lineage {result.lineage.run_id}")
     print(f"replay: eagle3 run --config {result.lineage.config_file}")
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,12 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 __all__ = [
     "ConfigError",
     "DatasetConfig",
     "EndpointConfig",
+    "EngineConfig",
     "EvalConfig",
     "ExportConfig",
     "ExtractConfig",
@@ -31,6 +32,7 @@ __all__ = [
     "field_docs",
     "load_config",
     "output_affecting",
+    "redacted_url",
 ]
 
 _NO_KEY = {"affects_output": False}
@@ -70,6 +72,25 @@ class VerifierConfig(_Group):
         description="Load the tokenizer with the Python code the verifier's directory ships (its `auto_map`), as "
         "Kimi's tiktoken tokenizer needs. Only for a directory you trust; the model loads through transformers' own classes.",
     )
+    num_gpus: int = Field(
+        1, ge=1,
+        description="GPUs each step that runs the verifier itself (regeneration, extraction, baselines, evaluation) claims "
+        "on CUDA. A verifier that fits one GPU regenerates and extracts data-parallel, one replica per GPU; a larger one "
+        "is spread over all of them, layer by layer (`eagle3 plan` says which).",
+        json_schema_extra=_NO_KEY,
+    )
+    gpu_memory_fraction: float = Field(
+        0.9, gt=0, le=1,
+        description="Share of each GPU's memory the verifier's weights may take; the rest holds activations, "
+        "captured states and the KV cache.",
+        json_schema_extra=_NO_KEY,
+    )
+    gpu_memory_gib: float | None = Field(
+        None, gt=0,
+        description="Memory of each GPU in GiB. None: as the driver reports it here (nvidia-smi). Set, steps on device "
+        "`auto` are planned as on GPUs (`eagle3 plan`, and a run's check before its first step): planning for GPUs this host lacks.",
+        json_schema_extra=_NO_KEY,
+    )
 
 
 class DatasetConfig(_Group):
@@ -83,12 +104,26 @@ class DatasetConfig(_Group):
     max_records: int | None = Field(None, ge=1, description="Use only the first N records (None: all).")
 
 
+def redacted_url(url: str) -> str:
+    """`url` with the user and password it may carry (`http://user:pass@host/v1`) shown as `***`."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if not sep or "@" not in netloc:
+        return url
+    return f"{scheme}://***@{netloc.rsplit('@', 1)[1]}{slash}{path}"
+
+
 class EndpointConfig(_Group):
     """An OpenAI-compatible server (`vllm serve`): where it is is not part of any cache key, what it
-    serves (`model`) is."""
+    serves (`model`) is. Credentials in `base_url` reach the client, and nothing else: the field
+    serializes (flow parameters in Prefect's database, the run's replay file, `eagle3 config`) and
+    prints (`repr`, `display_url` in messages) with them redacted."""
 
     base_url: str = Field(
-        "http://localhost:8000/v1", description="The server's OpenAI API root.", json_schema_extra=_NO_KEY
+        "http://localhost:8000/v1",
+        description="The server's OpenAI API root. Credentials in it (http://user:pass@host/v1) are used, never stored "
+        "or shown; prefer the API key's environment variable (api_key_env).",
+        json_schema_extra=_NO_KEY,
     )
     model: str | None = Field(
         None,
@@ -106,6 +141,18 @@ class EndpointConfig(_Group):
         3, ge=0, description="Retries of a request that timed out or met a connection or server error.",
         json_schema_extra=_NO_KEY,
     )
+
+    @property
+    def display_url(self) -> str:
+        """`base_url` as messages show it."""
+        return redacted_url(self.base_url)
+
+    @field_serializer("base_url")
+    def _redacted(self, url: str) -> str:
+        return redacted_url(url)
+
+    def __repr_args__(self):
+        return [(name, redacted_url(value) if name == "base_url" else value) for name, value in super().__repr_args__()]
 
 
 class _ServerCapableGroup(_Group):
@@ -161,6 +208,60 @@ class RegenerateConfig(_ServerCapableGroup):
     device: Device = Field("auto", description="Where the transformers backend generates.", json_schema_extra=_NO_KEY)
 
 
+class EngineConfig(_Group):
+    """vLLM's engine, run by the extraction step itself (`extract.backend=vllm-engine`) in vLLM's own
+    environment. Parallelism and memory settings change no state beyond rounding: not in the key."""
+
+    python: str | None = Field(
+        None,
+        description="Python of the environment vLLM is installed in (it pins an older fastapi than Prefect, so it "
+        "cannot share this one). None: .venv-vllm/bin/python beside this package (./setup-vllm.sh). The releases of "
+        "vllm and torch there are in the cache key.",
+        json_schema_extra=_NO_KEY,
+    )
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="The engine's compute dtype (auto: the checkpoint's). States are stored in bfloat16 either way."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs each layer is split over (vLLM's tensor parallelism).",
+                                      json_schema_extra=_NO_KEY)
+    pipeline_parallel_size: int = Field(1, ge=1, description="Stages the layers are split into (vLLM's pipeline parallelism).",
+                                        json_schema_extra=_NO_KEY)
+    enable_expert_parallel: bool = Field(False, description="Spread an MoE's experts over the GPUs instead of splitting each.",
+                                         json_schema_extra=_NO_KEY)
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of each GPU's memory the engine may take (CPU build: of host memory that must be free).",
+        json_schema_extra=_NO_KEY,
+    )
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="Tokens per engine step (vLLM's scheduler budget). None: vLLM's default.",
+        json_schema_extra=_NO_KEY,
+    )
+    batch_tokens: int = Field(
+        65536, ge=1,
+        description="Prompt tokens handed to the engine at once; their states wait in host memory until written (about "
+        "3 x 8*H bytes a token: 11 GB at H=7168).",
+        json_schema_extra=_NO_KEY,
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Other keyword arguments of `vllm.LLM`, e.g. {distributed_executor_backend: ray} for several hosts, or "
+        "kv_cache_dtype. In the cache key (some change the states).",
+    )
+
+    @field_validator("args")
+    @classmethod
+    def _not_set_by_the_step(cls, args: dict[str, Any]) -> dict[str, Any]:
+        # The step sets these (capture needs eager mode and no prefix cache), or a field above does.
+        fixed = {"model", "dtype", "trust_remote_code", "max_model_len", "worker_extension_cls", "enforce_eager",
+                 "enable_prefix_caching", "skip_tokenizer_init", *cls.model_fields} - {"python", "batch_tokens", "args"}
+        if taken := sorted(fixed & set(args)):
+            raise ValueError(f"{taken} are set by the step or by a field of extract.engine, not through args")
+        if "data_parallel_size" in args:
+            raise ValueError("data_parallel_size: one vLLM engine per process; run one extraction per replica (they split "
+                             "the shards) instead")
+        return args
+
+
 class ExtractConfig(_ServerCapableGroup):
     _name: ClassVar[str] = "extract"
     _server_backend: ClassVar[str] = "vllm"
@@ -179,13 +280,35 @@ class ExtractConfig(_ServerCapableGroup):
         256, ge=1, description="Out-of-memory back-off halves the budget down to this, then fails.", json_schema_extra=_NO_KEY
     )
     device: Device = Field("auto", description="Where the verifier runs the prefill.", json_schema_extra=_NO_KEY)
-    backend: Literal["transformers", "vllm"] = Field(
+    backend: Literal["transformers", "vllm", "vllm-engine"] = Field(
         "transformers",
         description="transformers: prefill batches of the verifier loaded by the step (on a GPU, in a child "
         "process per attempt); vllm: one request per sample to a vLLM server started with the flags "
-        "`eagle3 extraction-server` prints (`endpoint`), for verifiers that need vLLM's parallelism.",
+        "`eagle3 extraction-server` prints (`endpoint`), for verifiers that need vLLM's parallelism; "
+        "vllm-engine: vLLM's engine started by the step (`engine`), capturing inside its workers: any "
+        "architecture vLLM serves, MLA included.",
     )
     endpoint: EndpointConfig = Field(EndpointConfig(), description="The server, for backend 'vllm'.")
+    served_states_dir: str | None = Field(
+        None,
+        description="Where the server of backend 'vllm' writes states files: its shared_storage_path, as `eagle3 "
+        "extraction-server` sets it. Files the server names are read and removed only inside it. None: "
+        "<store_dir>/served-states.",
+        json_schema_extra=_NO_KEY,
+    )
+    engine: EngineConfig = Field(EngineConfig(), description="The engine, for backend 'vllm-engine'.")
+    storage: Literal["bf16", "fp8"] = Field(
+        "bf16",
+        description="Precision the states are stored in: bf16, 8*H bytes a token (32 KiB for an 8B verifier); fp8, "
+        "hs-connectors' FP8 format (e4m3, one scale per token), 4*H+4 bytes, quantized on the device before the copy. "
+        "Training (and train.hidden_states=online) reads either.",
+    )
+
+    def ignored_here(self) -> set[str]:
+        # each backend reads only its own group: another's settings never re-run the step
+        ignored = {"endpoint"} if self.backend == "vllm-engine" else super().ignored_here() | {"engine"}
+        # keyed only when fp8: bf16 is what every shard held before the field existed, and keeps their keys
+        return ignored | ({"storage"} if self.storage == "bf16" else set())
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -210,7 +333,9 @@ class TrainConfig(_Group):
     loss_fn: Literal["kl_div", "ce", "tv"] = Field("kl_div", description="Loss against the verifier's distribution.")
     optimizer: Literal["adamw", "muon"] = Field("adamw", description="Optimizer (speculators' implementations).")
     num_layers: int = Field(1, ge=1, description="Draft decoder layers.")
-    total_seq_len: int = Field(2048, ge=16, description="Tokens packed into one training batch.")
+    total_seq_len: int = Field(
+        2048, ge=16, description="Tokens packed into one training batch; refused if below a record's last supervised token."
+    )
     train_data_ratio: float = Field(0.9, gt=0, lt=1, description="Share of records trained on; the rest validates.")
     seed: int = Field(0, description="Seed for initialisation and batch order.")
     init_from: Literal["scratch", "previous"] = Field(
@@ -221,18 +346,33 @@ class TrainConfig(_Group):
         json_schema_extra=_NO_KEY,  # the draft it continues from is keyed by digest; none found equals scratch
     )
     min_total_seq_len: int = Field(
-        256, ge=16, description="Out-of-memory back-off halves total_seq_len down to this, then fails.", json_schema_extra=_NO_KEY
+        256, ge=16, json_schema_extra=_NO_KEY,
+        description="Out-of-memory back-off halves total_seq_len down to this (never below a record's last supervised token), then fails.",
     )
     num_gpus: int = Field(
         1, ge=1, description="GPUs trained on (data parallel through torchrun; more GPUs, larger global batch). CPU: ignored, and not in the cache key."
     )
     fsdp: bool = Field(False, description="Shard the draft with FSDP instead of replicating it (DDP).", json_schema_extra=_NO_KEY)
     device: Device = Field("auto", description="Where the draft trains.", json_schema_extra=_NO_KEY)
+    hidden_states: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: extract every state to the store first (extract.storage), then train on the files, "
+        "which any later run reuses; online: the verifier runs inside training and computes each batch's states as the "
+        "draft trains, none stored, at one verifier prefill a token per epoch (keyed by the route, draft/online).",
+        json_schema_extra=_NO_KEY,
+    )
+    online_buffer_gb: float = Field(
+        0.0, ge=0,
+        description="train.hidden_states=online: host memory per training process for states kept from one epoch to "
+        "the next, in extract.storage precision (first come, first kept); those that do not fit are computed again "
+        "each epoch. 0: every epoch computes every state.",
+        json_schema_extra=_NO_KEY,
+    )
 
     def ignored_here(self) -> set[str]:
-        from eagle3.runtime.devices import resolve_device
+        from eagle3.runtime.devices import device_type
 
-        return set() if resolve_device(self.device).type == "cuda" else {"num_gpus"}
+        return set() if device_type(self.device) == "cuda" else {"num_gpus"}
 
 
 class ExportConfig(_Group):
@@ -323,6 +463,14 @@ class PipelineConfig(BaseModel):
     export: ExportConfig = ExportConfig()
     evaluate: EvalConfig = EvalConfig()
     promotion: PromotionConfig = PromotionConfig()
+
+    @model_validator(mode="after")
+    def _online_states_from_the_step(self) -> PipelineConfig:
+        # online training runs the verifier in the training process, as the transformers backend does
+        if self.train.hidden_states == "online" and self.extract.backend != "transformers":
+            raise ValueError(f"train.hidden_states=online computes states in the training process: it needs "
+                             f"extract.backend=transformers, not '{self.extract.backend}' (or train.hidden_states=offline)")
+        return self
 
     @model_validator(mode="after")
     def _promotion_k_is_evaluated(self) -> PipelineConfig:

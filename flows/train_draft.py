@@ -1,5 +1,5 @@
 """The pipeline as one Prefect flow: verifier -> (regenerated answers) -> dataset ->
-hidden states + vocab mapping -> draft -> checkpoint -> evaluation -> promotion. The verifier's
+hidden states (extracted; or, online, computed by training itself) + vocab mapping -> draft -> checkpoint -> evaluation -> promotion. The verifier's
 baselines on the eval prompts (plain greedy and n-gram decoding) do not depend on the draft: they
 are measured first, once per verifier and prompts."""
 
@@ -12,6 +12,8 @@ from eagle3.config import PipelineConfig
 from eagle3.data.prepare_dataset import dataset_source
 from eagle3.data.regenerate import regenerated_conversations
 from eagle3.evaluation.evaluate import EvalManifest, eval_prompts_source
+from eagle3.plan import check_verifier_fits
+from eagle3.preflight import check_preflight
 from eagle3.serving.export import ExportManifest
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.gc import store_in_use
@@ -26,7 +28,7 @@ from tasks.lineage import publish_lineage_task
 from tasks.prepare import prepare_dataset_task
 from tasks.promote import promote_task
 from tasks.regenerate import regenerate_task
-from tasks.train import previous_draft_task, train_draft_task
+from tasks.train import online_states_task, previous_draft_task, train_draft_task
 from tasks.verifier import resolve_verifier_task
 from tasks.vocab import build_vocab_mapping_task
 
@@ -38,29 +40,34 @@ class PipelineResult(BaseModel):
     lineage: RunLineage
 
 
-@flow(name="train-eagle3-draft")
-def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineResult:
+@flow(name="train-eagle3-draft", persist_result=False)  # its result is the steps' manifests, stored by them as JSON
+def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineResult:  # noqa: B008 (the UI form shows the default)
     """Train an EAGLE-3 draft for a verifier on a conversation dataset, measure its acceptance
     length and promote it if it beats the best earlier one; every step but promotion is cached by content."""
     store = config.store_dir
+    check_preflight(config)  # bad paths and files, a full or read-only store, a pinned-off trust_remote_code
+    check_verifier_fits(config)  # a verifier too large for its claimed GPUs fails here, before any load
     with store_in_use(ArtifactStore(store)):  # `eagle3 artifacts gc` refuses to run meanwhile
         verifier = resolve_verifier_task(store, config.verifier, verifier_source(config.verifier))
         prompts, baselines = eval_prompts_source(config.evaluate), None
         if config.evaluate.backend == "transformers":  # first: a bad prompts file fails before any training
-            baselines = measure_baselines_task(store, config.evaluate, verifier, prompts)
+            baselines = measure_baselines_task(store, config.evaluate, verifier, prompts, config.verifier)
         source, regenerated = dataset_source(config.dataset), None
         if config.regenerate.enabled:
-            regenerated = regenerate_task(store, config.regenerate, source, verifier)
+            regenerated = regenerate_task(store, config.regenerate, source, verifier, config.verifier)
             source = regenerated_conversations(regenerated)
         dataset = prepare_dataset_task(store, config.dataset, source, verifier)
-        hidden_states = extract_hidden_states_task(store, config.extract, dataset, verifier)
+        if config.train.hidden_states == "online":  # computed while the draft trains: none stored
+            hidden_states = online_states_task(store, config.extract, dataset, verifier)
+        else:
+            hidden_states = extract_hidden_states_task(store, config.extract, dataset, verifier, config.verifier)
         vocab = build_vocab_mapping_task(store, config.vocab, dataset, verifier)
         init = None
         if config.train.init_from == "previous":
             init = previous_draft_task(store, config.train, verifier, hidden_states, dataset)
         draft = train_draft_task(store, config.train, dataset, hidden_states, vocab, verifier, init)
         checkpoint = export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
-        evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, prompts, baselines)
+        evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, prompts, baselines, config.verifier)
         promotion = promote_task(store, config.promotion, evaluation)
         produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, baselines, evaluation]
         lineage = publish_lineage_task(store, [m for m in produced if m is not None], config)

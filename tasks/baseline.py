@@ -1,24 +1,27 @@
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 from prefect.artifacts import create_table_artifact
 
-from eagle3.config import EvalConfig
+from eagle3.config import EvalConfig, VerifierConfig
 from eagle3.evaluation import baseline as step
 from eagle3.verifier.resolve_verifier import VerifierManifest
 from tasks.cache import step_task, task_provenance
-from tasks.gpu import claim_gpus
+from tasks.gpu import decoding_claim, without_placement
 from tasks.report import decode_rows, publish_step_report
 from tasks.store import run_store
 
 
-@step_task("measure-baselines", step.baseline_provenance)
-def measure_baselines_task(store_dir: str, cfg: EvalConfig, verifier: VerifierManifest, prompts: Path) -> step.BaselineManifest:
+@step_task("measure-baselines", without_placement(step.baseline_provenance))
+def measure_baselines_task(
+    store_dir: str, cfg: EvalConfig, verifier: VerifierManifest, prompts: Path, placement: VerifierConfig | None = None
+) -> step.BaselineManifest:
     store = run_store(store_dir)
     provenance = task_provenance(measure_baselines_task, store, cfg=cfg, verifier=verifier, prompts=prompts)
-    manifest = step.measure_baselines(cfg, verifier, prompts, store, provenance, claim=partial(claim_gpus, cfg.device))
+    manifest = step.measure_baselines(
+        cfg, verifier, prompts, store, provenance, claim=decoding_claim(cfg.device, placement, verifier, cfg.dtype), placement=placement
+    )
     create_table_artifact(
         key="baselines",
         table=decode_rows(manifest.results),

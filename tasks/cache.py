@@ -11,7 +11,8 @@ A cached result is a manifest that points into the store, and `eagle3 artifacts 
 deleted what it points at. Such a result is never handed on: the key moves along a chain of
 rebuild keys past every stale result, so the step runs again and its new result is the one found
 from then on. Results are stored as manifest JSON and read back by artifact kind
-(`ManifestSerializer`), never unpickled.
+(`ManifestSerializer`), never unpickled: a record that names another serializer (a pickle planted
+in a shared result store) is passed over like a stale one, unread.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from uuid import UUID
 from prefect import Task, task
 from prefect.cache_policies import CachePolicy
 from prefect.context import TaskRunContext
+from prefect.results import ResultStore, get_default_result_storage
 from prefect.serializers import Serializer
 from prefect.utilities.hashing import hash_objects
 
@@ -59,9 +61,32 @@ class StepCache(CachePolicy):
         # The store is part of the key: a cached manifest points into the store that holds it.
         key = hash_objects(str(store.root), provenance.key)
         results = task_ctx.result_store
-        while results.exists(key) and not Path(results.read(key).result.path).exists():
+        while (record := _raw_record(results, key)) is not None and not _usable(record):
             key = hash_objects(key, "rebuilt after gc")
         return key
+
+
+def _raw_record(results: ResultStore, key: str) -> dict | None:
+    """The result record at `key` as JSON, unread by any serializer; None if there is none.
+    Prefect reads a record (even to see whether it exists) with the serializer the record names,
+    so a record naming pickle, planted in a shared result store, would run whatever it holds."""
+    if results.metadata_storage is not None:  # records split over two storages: not this package's setup
+        raise ValueError("eagle3 step results need one result storage (no separate metadata storage)")
+    storage = results.result_storage or get_default_result_storage(_sync=True)
+    try:
+        return json.loads(storage.read_path(key, _sync=True))
+    except (OSError, ValueError):  # none, or not a record: nothing Prefect would take as a cache hit either
+        return None
+
+
+def _usable(record: dict) -> bool:
+    """A manifest record (by the serializer it names) whose artifact is still in the store."""
+    try:
+        if record["metadata"]["serializer"]["type"] != ManifestSerializer.model_fields["type"].default:
+            return False
+        return Path(json.loads(record["result"])["manifest"]["path"]).exists()
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def step_cache_policy(step: str | ProvenanceOf) -> StepCache:

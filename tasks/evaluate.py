@@ -1,11 +1,10 @@
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 from prefect.artifacts import create_table_artifact
 
-from eagle3.config import EvalConfig
+from eagle3.config import EvalConfig, VerifierConfig
 from eagle3.evaluation import evaluate as step
 from eagle3.evaluation.baseline import BaselineManifest
 from eagle3.extraction.shards import HiddenStatesManifest
@@ -13,12 +12,12 @@ from eagle3.figures import with_error
 from eagle3.serving.export import ExportManifest
 from eagle3.verifier.resolve_verifier import VerifierManifest
 from tasks.cache import step_task, task_provenance
-from tasks.gpu import claim_gpus
+from tasks.gpu import decoding_claim, without_placement
 from tasks.report import decode_rows, publish_step_report
 from tasks.store import run_store
 
 
-@step_task("evaluate", step.evaluation_provenance)
+@step_task("evaluate", without_placement(step.evaluation_provenance))
 def evaluate_task(
     store_dir: str,
     cfg: EvalConfig,
@@ -27,14 +26,17 @@ def evaluate_task(
     verifier: VerifierManifest,
     prompts: Path,
     baselines: BaselineManifest | None,
+    placement: VerifierConfig | None = None,
 ) -> step.EvalManifest:
-    """`baselines`: of the same verifier, prompts and settings (None: backend 'vllm')."""
+    """`baselines`: of the same verifier, prompts and settings (None: backend 'vllm'); `placement`: the
+    verifier's GPU settings."""
     store = run_store(store_dir)
     provenance = task_provenance(
         evaluate_task, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts, baselines=baselines
     )
     manifest = step.evaluate(
-        cfg, checkpoint, hidden_states, verifier, prompts, store, provenance, baselines, claim=partial(claim_gpus, cfg.device)
+        cfg, checkpoint, hidden_states, verifier, prompts, store, provenance, baselines,
+        claim=decoding_claim(cfg.device, placement, verifier, cfg.dtype), placement=placement,
     )
     create_table_artifact(
         key="acceptance-length",
@@ -42,7 +44,7 @@ def evaluate_task(
         description=f"measured tau (tau_sim {manifest.tau_sim:.3f}); "
         + (f"plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s on {baselines.measured_on}, the draft on {manifest.measured_on}"
            if baselines is not None
-           else f"from the spec-decode counters of {cfg.endpoint.base_url}"),
+           else f"from the spec-decode counters of {cfg.endpoint.display_url}"),
     )
     gains = {f"gain_over_ngram_k{g['k']}": with_error(g["gain"], g["standard_error"], signed=True)
              for g in manifest.gains_over_ngram or [] if g["gain"] is not None}

@@ -7,22 +7,37 @@ enters it after it holds its work directory (`eagle3.runtime.attempts.GpuClaim` 
 with the host's GPU count. Slots are released when the step fails; those of a killed holder return
 when its lease expires (`LEASE_SECONDS`; the holder renews it while alive), and `prefect gcl update gpu --active-slots 0`
 frees leaked ones by hand. Device locks are per-host flocks, released by the kernel on kill.
+
+The steps that run the verifier themselves claim `verifier.num_gpus` (`verifier_claim`; those that
+decode with it in their own process only one where it fits one GPU, `decoding_claim`); how they use
+them (a replica per GPU, or the layers spread over all) is theirs to decide, and changes no output:
+their cache keys leave those settings out (`without_placement`).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
 
 from prefect.client.orchestration import get_client
 from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectNotFound
 
-from eagle3.runtime.devices import host_gpu_ids, lock_free_gpus, resolve_device
+from eagle3.config import VerifierConfig
+from eagle3.runtime.attempts import GpuClaim
+from eagle3.runtime.devices import device_type, gpu_count, host_gpu_ids, lock_free_gpus
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.manifests import Provenance
+from eagle3.verifier.placement import gpus_to_decode
+from eagle3.verifier.resolve_verifier import VerifierManifest
 
-__all__ = ["GPU_LIMIT", "claim_gpus", "ensure_gpu_limit", "gpu_slots", "set_gpu_limit"]
+__all__ = [
+    "GPU_LIMIT", "claim_gpus", "decoding_claim", "ensure_gpu_limit", "gpu_slots", "set_gpu_limit", "verifier_claim", "without_placement",
+]
 
 GPU_LIMIT = "gpu"
 LEASE_SECONDS = 60.0  # the server's minimum: a killed holder's slots return this soon
@@ -45,11 +60,41 @@ def gpu_slots(count: int) -> Iterator[None]:
 def claim_gpus(device: str, count: int = 1) -> Iterator[list[str] | None]:
     """The claimed devices (CUDA_VISIBLE_DEVICES names) while the block runs, if `device` resolves
     to CUDA; else None and nothing is claimed."""
-    if resolve_device(device).type != "cuda":
+    if device_type(device) != "cuda":
         yield None
         return
     with gpu_slots(count), lock_free_gpus(host_gpu_ids(), count) as devices:
         yield devices
+
+
+def verifier_claim(device: str, placement: VerifierConfig | None) -> GpuClaim:
+    """The claim of a step that runs the verifier itself: `placement.num_gpus` GPUs on CUDA (None: one)."""
+    return partial(claim_gpus, device, placement.num_gpus if placement else 1)
+
+
+@contextmanager
+def _decoding_gpus(device: str, placement: VerifierConfig | None, verifier: Path, dtype: str) -> Iterator[list[str] | None]:
+    import torch
+
+    count = gpus_to_decode(verifier, placement, getattr(torch, dtype)) if device_type(device) == "cuda" else 1
+    with claim_gpus(device, count) as devices:
+        yield devices
+
+
+def decoding_claim(device: str, placement: VerifierConfig | None, verifier: VerifierManifest, dtype: str) -> GpuClaim:
+    """The claim of a step that decodes with the verifier in its own process (baselines, evaluation):
+    one GPU where the verifier in `dtype` fits one, else `placement.num_gpus`, its layers spread."""
+    return partial(_decoding_gpus, device, placement, verifier.path, dtype)
+
+
+def without_placement(provenance: Callable[..., Provenance]) -> Callable[..., Provenance]:
+    """A step's provenance from its task's inputs less `placement` (the verifier's GPU settings):
+    where the verifier's layers sit changes no output, so it is no part of the key."""
+
+    def keyed(store: ArtifactStore, placement: VerifierConfig | None = None, **inputs) -> Provenance:
+        return provenance(store, **inputs)
+
+    return keyed
 
 
 def set_gpu_limit(slots: int) -> None:
@@ -62,9 +107,7 @@ def ensure_gpu_limit(gpus: int | None = None) -> None:
     """Create the `gpu` limit with `gpus` slots (default: the GPUs this host sees) if the server has
     none, so a GPU host's first `eagle3 run` needs no setup; an existing limit is left as its owner
     set it (`eagle3 gpu-limit`)."""
-    import torch
-
-    gpus = torch.cuda.device_count() if gpus is None else gpus
+    gpus = gpu_count() if gpus is None else gpus
     if gpus < 1:
         return
     with get_client(sync_client=True) as client:

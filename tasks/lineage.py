@@ -12,7 +12,7 @@ from eagle3.store.manifests import ArtifactManifest
 from eagle3.store.runs import record_run, replay_file
 
 
-@task(name="publish-lineage", cache_policy=NO_CACHE)
+@task(name="publish-lineage", cache_policy=NO_CACHE, persist_result=False)  # nothing pickled: docs/security.md
 def publish_lineage_task(store_dir: str, manifests: list[ArtifactManifest], config: PipelineConfig) -> RunLineage:
     """Every artifact this run used or produced, with its parents and producer, as a table and a
     Mermaid graph; the run's record in the store, which keeps what it reached safe from

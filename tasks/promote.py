@@ -30,7 +30,7 @@ def _markdown(record: step.PromotionRecord) -> str:
     )
 
 
-@task(name="promote", cache_policy=NO_CACHE)
+@task(name="promote", cache_policy=NO_CACHE, persist_result=False)  # nothing pickled: docs/security.md
 def promote_task(store_dir: str, cfg: PromotionConfig, evaluation: EvalManifest) -> step.PromotionRecord:
     """Compare the evaluated checkpoint with the best earlier promoted one; record and show the decision."""
     record = step.promote(cfg, evaluation, ArtifactStore(store_dir), str(flow_run.id or "local"))

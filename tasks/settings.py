@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import copy
+import logging
 import os
 import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
-__all__ = ["exit_cleanly_on_sigterm", "set_prefect_defaults"]
+__all__ = ["exit_cleanly_on_sigterm", "set_prefect_defaults", "tracebacks_to"]
 
 
 def set_prefect_defaults() -> None:
@@ -18,9 +24,62 @@ def set_prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")
 
 
+EXIT_DEADLINE_S = 8.0  # after SIGTERM; a run must be gone within 10 s however the signal came
+
+
 def exit_cleanly_on_sigterm() -> None:
     """SIGTERM (`kill`, `timeout`, a scheduler) exits through Python's shutdown, which runs the
-    atexit hook that stops Prefect's temporary server. Python's default action skips it and leaves
-    that server running; during a flow Prefect marks the run crashed, then re-sends the signal to
-    the handler it found, this one."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    atexit hooks: Prefect's workers send their last logs, then the temporary server stops. Python's
+    default action skips them. During a flow Prefect marks the run crashed, then re-sends the signal
+    to the handler it found, this one. Whatever still holds the exit up past `EXIT_DEADLINE_S` (a
+    worker thread finishing a request, a second SIGTERM) ends the process at once; its children
+    (the temporary server, a step's child process) get SIGTERM from the kernel as it dies."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    code = 128 + signum
+    if any(t.name == "eagle3-exit-deadline" for t in threading.enumerate()):
+        os._exit(code)  # the second SIGTERM: no more waiting
+    deadline = threading.Timer(EXIT_DEADLINE_S, os._exit, args=(code,))
+    deadline.name, deadline.daemon = "eagle3-exit-deadline", True
+    deadline.start()
+    sys.exit(code)
+
+
+class _WithoutTraceback(logging.Formatter):
+    """Another formatter's output, less the traceback (the record itself is left whole: the
+    handlers after this one, Prefect's API log among them, still get it)."""
+
+    def __init__(self, inner: logging.Formatter, log_file: Path):
+        super().__init__()
+        self.inner, self.log_file = inner, log_file
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not (record.exc_info or record.exc_text):
+            return self.inner.format(record)
+        bare = copy.copy(record)
+        bare.exc_info, bare.exc_text, bare.stack_info = None, None, None
+        return f"{self.inner.format(bare)} (traceback: {self.log_file})"
+
+
+@contextmanager
+def tracebacks_to(log_file: Path) -> Iterator[None]:
+    """While the block runs, the terminal gets each log line without its traceback, and `log_file`
+    gets every line with it (as does the Prefect server's log of the run). A failing step made
+    Prefect print up to ten tracebacks (120 lines) before the one line that says what to fix."""
+    consoles = [h for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler) and h.formatter is not None]
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(log_file, delay=True)
+    to_file.setFormatter(logging.Formatter("%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"))
+    logging.getLogger().addHandler(to_file)
+    formatters = {h: h.formatter for h in consoles}
+    for handler, formatter in formatters.items():
+        handler.setFormatter(_WithoutTraceback(formatter, log_file))
+    try:
+        yield
+    finally:
+        for handler, formatter in formatters.items():
+            handler.setFormatter(formatter)
+        logging.getLogger().removeHandler(to_file)
+        to_file.close()

@@ -5,10 +5,11 @@ from functools import partial
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from eagle3.config import TrainConfig
+from eagle3.config import ExtractConfig, TrainConfig
 from eagle3.data.prepare_dataset import DatasetManifest
 from eagle3.extraction.shards import HiddenStatesManifest
 from eagle3.store.artifacts import ArtifactStore
+from eagle3.training import online
 from eagle3.training import train as step
 from eagle3.training.vocab_mapping import VocabManifest
 from eagle3.verifier.resolve_verifier import VerifierManifest
@@ -18,7 +19,17 @@ from tasks.report import Progress, publish_image, publish_step_report
 from tasks.store import run_store
 
 
-@step_task("train-draft", "draft")
+@step_task("online-hidden-states", online.online_states_provenance)
+def online_states_task(store_dir: str, cfg: ExtractConfig, dataset: DatasetManifest, verifier: VerifierManifest) -> online.OnlineStatesManifest:
+    """`train.hidden_states=online`: what training computes the states from, in place of extracting them."""
+    store = run_store(store_dir)
+    provenance = task_provenance(online_states_task, store, cfg=cfg, dataset=dataset, verifier=verifier)
+    manifest = online.online_states(cfg, dataset, verifier, store, provenance)
+    publish_step_report(manifest, manifest.model_dump(include={"aux_layer_ids", "num_records", "num_tokens", "storage"}))
+    return manifest
+
+
+@step_task("train-draft", step.training_provenance)
 def train_draft_task(
     store_dir: str,
     cfg: TrainConfig,
@@ -41,7 +52,7 @@ def train_draft_task(
     return manifest
 
 
-@task(name="find-previous-draft", cache_policy=NO_CACHE)
+@task(name="find-previous-draft", cache_policy=NO_CACHE, persist_result=False)  # nothing pickled: docs/security.md
 def previous_draft_task(
     store_dir: str, cfg: TrainConfig, verifier: VerifierManifest, hidden_states: HiddenStatesManifest, dataset: DatasetManifest
 ) -> step.DraftManifest | None:

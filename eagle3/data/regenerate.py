@@ -32,21 +32,19 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-import torch
 from jinja2 import TemplateError
 from pydantic import BaseModel, Field
 from tqdm import tqdm
 
-from eagle3.config import RegenerateConfig
+from eagle3.config import RegenerateConfig, VerifierConfig
 from eagle3.data.prepare_dataset import Record, read_user_turns
 from eagle3.runtime.attempts import NO_GPU, Backoff, BatchBackoff, GpuClaim, OutOfMemory, Progress, run_attempt
-from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, resolve_device
+from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, inference_mode, resolve_device
 from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.serving.endpoint import EndpointError, RequestRejected, chat, open_client
@@ -54,7 +52,8 @@ from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
 from eagle3.store.done_log import DONE_LOG, append_done, read_done
 from eagle3.store.manifests import ArtifactManifest, Provenance
 from eagle3.store.versions import route
-from eagle3.verifier.loading import chat_prompt_ids, eos_token_ids, load_text_model
+from eagle3.verifier.loading import chat_prompt_ids, eos_token_ids
+from eagle3.verifier.placement import Worker, load_placed, place_verifier
 from eagle3.verifier.resolve_verifier import VerifierManifest, verifier_tokenizer
 
 __all__ = ["RegeneratedManifest", "regenerate", "regenerate_provenance", "regenerated_conversations"]
@@ -69,7 +68,7 @@ class RegeneratedManifest(ArtifactManifest):
     num_records: int
     num_generated_tokens: int
     failed: dict[str, str]
-    backoffs: list[Backoff] = []
+    backoffs: list[Backoff] = Field(default_factory=list)
     gpu_memory_after_mib: dict[str, int] | None = Field(
         None, description="memory in use on each claimed GPU once the step's processes exited"
     )
@@ -80,9 +79,11 @@ def regenerated_conversations(manifest: RegeneratedManifest) -> Path:
     return Path(manifest.path) / "conversations.parquet"
 
 
-@torch.inference_mode()
+@inference_mode
 def _generate(model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig, device) -> list[tuple[list[int], str]]:
     """Greedy/sampled continuations of each chat-templated prompt: (new token ids, finish reason)."""
+    import torch
+
     width = max(map(len, prompts))
     simulate_oom_above(len(prompts) * width, f"{len(prompts)} x {width} padded prompt tokens")  # as extraction's prefill
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -153,6 +154,9 @@ class RegenerateAttempt(BaseModel):
     device: str
     batch_size: int
     done_log: Path
+    max_memory: dict[int | str, int] | None = Field(
+        None, description="spread the verifier's layers over the visible GPUs with these byte budgets (None: all on `device`)"
+    )
 
 
 def _transformers_attempt(spec: RegenerateAttempt, on_progress: Progress) -> OutOfMemory | None:
@@ -162,9 +166,11 @@ def _transformers_attempt(spec: RegenerateAttempt, on_progress: Progress) -> Out
     Returns None when all are done, or where memory ran out: that batch and the later ones are
     left to the caller, to retry with a smaller batch size (in a fresh process on a GPU).
     """
+    import torch
+
     device = torch.device(spec.device)
     tokenizer = verifier_tokenizer(spec.verifier)
-    model = load_text_model(spec.verifier.path, compute_dtype(device), device)
+    model = load_placed(spec.verifier.path, compute_dtype(device), device, spec.max_memory)
     todo = sorted(spec.todo, key=lambda r: len(r[2][0]))
     try:
         with open(spec.done_log, "a") as log:
@@ -184,24 +190,59 @@ def _transformers_attempt(spec: RegenerateAttempt, on_progress: Progress) -> Out
     return None
 
 
-def _regenerate_by_transformers(
-    todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, done_log: Path, gpus: list[str] | None, records_done
+def _regenerate_on(
+    todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, done_log: Path, worker: Worker | None, records_done
 ) -> list[Backoff]:
-    """Run attempts until every record of `todo` is in `done_log`; the back-offs taken."""
+    """Run attempts on one worker (None: in this process, on `cfg.device`) until every record of
+    `todo` is in `done_log`; the back-offs taken."""
     backoff = BatchBackoff(
         "regenerate.batch_size", cfg.batch_size, "regenerate.min_batch_size", cfg.min_batch_size,
-        kept=f"Finished records are kept in {done_log}: a re-run resumes there. Lower regenerate.min_batch_size "
+        kept=f"Finished records are kept in {done_log.parent}: a re-run resumes there. Lower regenerate.min_batch_size "
         "or max_new_tokens, shorten those prompts, or use a device with more memory.",
     )
-    spec = RegenerateAttempt(todo=todo, cfg=cfg, verifier=verifier, device="cuda" if gpus else str(resolve_device(cfg.device)),
-                             batch_size=cfg.batch_size, done_log=done_log)
+    device = worker.device if worker else str(resolve_device(cfg.device))
+    spec = RegenerateAttempt(todo=todo, cfg=cfg, verifier=verifier, device=device, batch_size=cfg.batch_size, done_log=done_log,
+                             max_memory=worker.max_memory if worker else None)
     while spec.todo:
-        oom = run_attempt(_transformers_attempt, spec, gpus, records_done)
+        oom = run_attempt(_transformers_attempt, spec, worker.visible if worker else None, records_done)
         finished = read_done(done_log, "record")
         left = [r for r in spec.todo if r[0] not in finished]
         assert oom is not None or not left, "an attempt without an out-of-memory error left records unfinished"
         spec = spec.model_copy(update={"todo": left, "batch_size": backoff.after(oom) if oom is not None else spec.batch_size})
     return backoff.taken
+
+
+def _shares(todo: list[Record], batch_size: int, workers: int) -> list[list[Record]]:
+    """`todo` dealt to `workers` a batch at a time, in the order one attempt sorts it (shortest prompt
+    first): each worker's attempt then forms the very batches one worker would, so greedy answers
+    are those of a one-device run."""
+    ordered = sorted(todo, key=lambda r: len(r[2][0]))
+    batches = [ordered[start : start + batch_size] for start in range(0, len(ordered), batch_size)]
+    return [[r for batch in batches[w::workers] for r in batch] for w in range(workers)]
+
+
+def _read_done_logs(work: Path) -> dict:
+    """Finished records of every log in `work`: one per data-parallel worker (worker 0's is `DONE_LOG`)."""
+    return {record: entry for log in [work / DONE_LOG, *sorted(work.glob("done.*.jsonl"))] for record, entry in read_done(log, "record").items()}
+
+
+def _regenerate_by_transformers(
+    todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, work: Path, gpus: list[str] | None,
+    placement: VerifierConfig | None, records_done,
+) -> list[Backoff]:
+    """Every record of `todo` answered on the claimed `gpus` (None: in this process): one worker per
+    GPU where the verifier fits one, each with a share of the records and a log of its own, else one
+    worker with the layers spread over all of them. The back-offs taken, by every worker."""
+    import torch
+
+    if gpus is None:
+        return _regenerate_on(todo, cfg, verifier, work / DONE_LOG, None, records_done)
+    workers = place_verifier(verifier.path, gpus, placement, torch.bfloat16)
+    logs = [work / DONE_LOG] + [work / f"done.{w}.jsonl" for w in range(1, len(workers))]
+    with ThreadPoolExecutor(len(workers), thread_name_prefix="regenerate-worker") as pool:
+        futures = [pool.submit(_regenerate_on, share, cfg, verifier, log, worker, records_done)
+                   for share, log, worker in zip(_shares(todo, cfg.batch_size, len(workers)), logs, workers)]
+    return [taken for future in futures for taken in future.result()]
 
 
 def _answers_by_server(todo: list[Record], cfg: RegenerateConfig) -> Iterator[dict]:
@@ -259,45 +300,56 @@ def regenerate(
     provenance: Provenance,
     on_progress=None,
     claim: GpuClaim = NO_GPU,
+    placement: VerifierConfig | None = None,
 ) -> RegeneratedManifest:
     """Have the verifier answer every user turn of `source`; publish the conversations.
 
     `claim`: the CUDA devices to generate on (transformers backend), claimed only if records are
-    left to generate; each attempt then runs in a child process seeing only them (none claimed: in
+    left to generate. Of several, each answers a share of the records with a replica of the verifier
+    where it fits one GPU, else the verifier's layers are spread over all of them (`placement`:
+    `verifier.num_gpus` and its memory settings; devices named "cpu" are CPU worker processes).
+    Each attempt runs in a child process seeing only its devices (none claimed: in
     this process on `cfg.device`). `on_progress(records_done, records_total)` is called as records finish.
 
     Raises:
         ArtifactError: a record of `source` has no user turn to answer, every record failed, or
             `done.jsonl` is corrupt.
+        ConfigError: (backend 'transformers') the verifier does not fit the claimed GPUs.
         EndpointError: (backend 'openai') the server is unreachable or does not serve
             `endpoint.model`; the records finished so far are kept for the re-run.
         RuntimeError: (backend 'transformers') out of memory even at `cfg.min_batch_size`; the
             records finished so far are kept for the re-run.
     """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     records = read_user_turns(source, cfg.max_records)
     with store.step_work_dir(RegeneratedManifest, provenance) as (work, published):
         if published is not None:
             return published
         clock = Stopwatch()  # not counting a wait for another run of this step, or for a GPU
         done_log = work / DONE_LOG
-        done = read_done(done_log, "record")
+        done = _read_done_logs(work)
         todo = [r for r in records if r[0] not in done]
         backoffs, gpu_memory_after = [], None
         if todo:
             with tqdm(total=len(todo), desc="regenerate", unit="rec") as progress:
 
+                counting = threading.Lock()  # data-parallel workers report from a thread each
+
                 def records_done(count: int) -> None:
-                    progress.update(count)
-                    if on_progress is not None:
-                        on_progress(progress.n, len(todo))
+                    with counting:
+                        progress.update(count)
+                        if on_progress is not None:
+                            on_progress(progress.n, len(todo))
 
                 if cfg.backend == "openai":
                     _regenerate_by_server(todo, cfg, done_log, records_done)
                 else:
                     with clock.excluding_wait(claim()) as gpus:
-                        backoffs = _regenerate_by_transformers(todo, cfg, verifier, done_log, gpus, records_done)
+                        backoffs = _regenerate_by_transformers(todo, cfg, verifier, work, gpus, placement, records_done)
                         gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
-            done = read_done(done_log, "record")
+            done = _read_done_logs(work)
 
         ok = [done[r[0]] for r in records if "failed" not in done[r[0]]]
         if records and not ok:

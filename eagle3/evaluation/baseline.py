@@ -22,29 +22,32 @@ import logging
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from jinja2 import TemplateError
 from tqdm import tqdm
 
-from eagle3.config import EvalConfig
+from eagle3.config import EvalConfig, VerifierConfig
 from eagle3.data.prepare_dataset import read_user_turns
 from eagle3.evaluation.speculative import DecodeStats, NgramProposer, greedy_decode, speculative_decode
 from eagle3.evaluation.tau import PER_PROMPT, Counts, per_prompt_counts, read_counts, tau_from_counts, tau_standard_error
 from eagle3.runtime.attempts import NO_GPU, GpuClaim
-from eagle3.runtime.devices import in_process_device, resolve_device
+from eagle3.runtime.devices import device_type, resolve_device
 from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
 from eagle3.store.done_log import DONE_LOG, append_done, read_done
 from eagle3.store.manifests import ArtifactManifest, Provenance
-from eagle3.verifier import forward as verifier_forward
 from eagle3.verifier.capture import HiddenStateCapture
-from eagle3.verifier.loading import chat_prompt_ids, eos_token_ids, load_text_model
+from eagle3.verifier.loading import chat_prompt_ids, eos_token_ids
+from eagle3.verifier.placement import decoding_placement, load_placed
 from eagle3.verifier.resolve_verifier import VerifierManifest, verifier_tokenizer
+
+if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, these only where a step runs
+    import torch
 
 __all__ = [
     "BaselineManifest", "DecodingModel", "baseline_provenance", "chat_prompts", "decode_remaining", "decode_summary", "device_name",
-    "measure_baselines", "read_prompts",
+    "eval_prompts", "measure_baselines", "read_prompts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -74,7 +77,7 @@ def baseline_provenance(store: ArtifactStore, cfg: EvalConfig, verifier: Verifie
     the device type, not the rest of `cfg` (the eval backend and its server measure the draft only)."""
     return step_provenance(
         "baseline", store, verifier=verifier, prompts=prompts, num_prompts=cfg.num_prompts,
-        max_new_tokens=cfg.max_new_tokens, ks=cfg.ks, dtype=cfg.dtype, device_type=resolve_device(cfg.device).type,
+        max_new_tokens=cfg.max_new_tokens, ks=cfg.ks, dtype=cfg.dtype, device_type=device_type(cfg.device),
     )
 
 
@@ -86,7 +89,23 @@ def read_prompts(path: Path, limit: int) -> list[str]:
     return prompts
 
 
+def eval_prompts(path: Path, num_prompts: int) -> list[str]:
+    """`read_prompts`, all `num_prompts` of them (`evaluate.num_prompts`).
+
+    Raises:
+        ArtifactError: the file holds fewer: a measurement on fewer would be compared, for
+            promotion, with earlier ones as if it were on as many.
+    """
+    prompts = read_prompts(path, num_prompts)
+    if len(prompts) < num_prompts:
+        raise ArtifactError(path, f"holds {len(prompts)} prompts, but evaluate.num_prompts is {num_prompts}: "
+                                  f"set evaluate.num_prompts to at most {len(prompts)}, or add prompts")
+    return prompts
+
+
 def device_name(device: torch.device) -> str:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu, {torch.get_num_threads()} threads"
@@ -102,14 +121,19 @@ class DecodingModel:
     prompts: list[list[int]]
 
     @classmethod
-    def load(cls, verifier: VerifierManifest, prompts: list[list[int]], device: str, dtype: str) -> DecodingModel:
+    def load(cls, verifier: VerifierManifest, prompts: list[list[int]], device: str, dtype: str, max_memory: dict | None = None) -> DecodingModel:
+        """`max_memory`: byte budgets of the devices the layers are spread over (None: all on `device`)."""
+        import torch
+
         tokenizer = verifier_tokenizer(verifier)
         resolved = resolve_device(device)
-        model = load_text_model(verifier.path, getattr(torch, dtype), resolved)
+        model = load_placed(verifier.path, getattr(torch, dtype), resolved, max_memory)
         return cls(model, resolved, eos_token_ids(tokenizer, model), prompts)
 
     def forward(self, capture: HiddenStateCapture | None, max_new_tokens: int):
         """The verifier's forward for decoding these prompts, `max_new_tokens` tokens each."""
+        from eagle3.verifier import forward as verifier_forward  # transformers' cache classes: imported when decoding
+
         return verifier_forward.forward_for(self.model, capture, max(map(len, self.prompts)) + max_new_tokens, self.prompts[0])
 
 
@@ -189,10 +213,12 @@ def _decode_prompts(on: DecodingModel, cfg: EvalConfig, done: dict, done_log: Pa
 
 
 def measure_baselines(
-    cfg: EvalConfig, verifier: VerifierManifest, prompts_path: Path, store: ArtifactStore, provenance: Provenance, claim: GpuClaim = NO_GPU
+    cfg: EvalConfig, verifier: VerifierManifest, prompts_path: Path, store: ArtifactStore, provenance: Provenance, claim: GpuClaim = NO_GPU,
+    placement: VerifierConfig | None = None,
 ) -> BaselineManifest:
     """Decode the first `cfg.num_prompts` prompts plainly greedy and with n-gram lookup at each of
-    `cfg.ks`, `cfg.max_new_tokens` tokens each, on the claimed GPU (none claimed: `cfg.device`).
+    `cfg.ks`, `cfg.max_new_tokens` tokens each, on the claimed GPU (none claimed: `cfg.device`; of
+    several, the verifier's layers spread over them: `eagle3.verifier.placement.decoding_placement`).
     Each prompt's decodes are logged as they finish: a run killed midway resumes at the next prompt,
     and claims no GPU if none is left.
 
@@ -200,7 +226,9 @@ def measure_baselines(
         ArtifactError: the prompts file or the log of finished prompts is malformed, or the
             verifier's chat template refuses a prompt.
     """
-    prompts = chat_prompts(verifier, read_prompts(prompts_path, cfg.num_prompts), prompts_path)
+    import torch
+
+    prompts = chat_prompts(verifier, eval_prompts(prompts_path, cfg.num_prompts), prompts_path)
     with store.step_work_dir(BaselineManifest, provenance) as (work, published):
         if published is not None:
             return published
@@ -209,7 +237,8 @@ def measure_baselines(
         done = read_done(done_log, "prompt")
         if len(done) < len(prompts):
             with clock.excluding_wait(claim()) as gpus:
-                on = DecodingModel.load(verifier, prompts, in_process_device(gpus, cfg.device), cfg.dtype)
+                device, max_memory = decoding_placement(verifier.path, gpus, placement, getattr(torch, cfg.dtype), cfg.device)
+                on = DecodingModel.load(verifier, prompts, device, cfg.dtype, max_memory)
                 done = _decode_prompts(on, cfg, done, done_log)
         entries = [done[i] for i in range(len(prompts))]
         references = [DecodeStats(**entry["greedy"]) for entry in entries]

@@ -69,7 +69,7 @@ class Eagle3Proposer:
         draft = self.draft
         m = aux.shape[0]
         assert m == len(tokens), (m, len(tokens))
-        features = aux.reshape(1, m, -1).to(draft.fc.weight.dtype)
+        features = aux.reshape(1, m, -1).to(draft.fc.weight.device, draft.fc.weight.dtype)  # a spread verifier's last layer may sit elsewhere
         if draft.input_norm is not None:
             features = draft.input_norm(features)
         features = draft.fc(features)  # [1, m, H]

@@ -32,19 +32,16 @@ import logging
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from eagle3.config import EvalConfig
+from eagle3.config import EvalConfig, VerifierConfig
 from eagle3.data.prepare_dataset import SAMPLE_EVAL_PROMPTS
-from eagle3.evaluation.baseline import BaselineManifest, DecodingModel, chat_prompts, decode_remaining, decode_summary, read_prompts
-from eagle3.evaluation.draft_proposer import Eagle3Proposer, draft_token_accuracy
+from eagle3.evaluation.baseline import BaselineManifest, DecodingModel, chat_prompts, decode_remaining, decode_summary, eval_prompts
 from eagle3.evaluation.served_acceptance import measure_served_acceptance
 from eagle3.evaluation.speculative import DecodeStats, speculative_decode
 from eagle3.evaluation.tau import PER_PROMPT, Counts, gain_over, per_prompt_counts, read_counts
 from eagle3.extraction.shards import HiddenStatesManifest
 from eagle3.runtime.attempts import NO_GPU, GpuClaim
-from eagle3.runtime.devices import in_process_device
 from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.serving.export import ExportManifest
 from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
@@ -52,7 +49,11 @@ from eagle3.store.done_log import DONE_LOG, read_done
 from eagle3.store.manifests import ArtifactManifest, Provenance
 from eagle3.store.versions import route
 from eagle3.verifier.capture import HiddenStateCapture
+from eagle3.verifier.placement import decoding_placement
 from eagle3.verifier.resolve_verifier import VerifierManifest
+
+if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, these only where a step runs
+    import torch
 
 __all__ = ["DraftDecodes", "EvalManifest", "eval_prompts_source", "evaluate", "evaluation_provenance", "load_draft", "summarize_decodes"]
 
@@ -87,15 +88,17 @@ def eval_prompts_source(cfg: EvalConfig) -> Path:
     return SAMPLE_EVAL_PROMPTS
 
 
-def load_draft(checkpoint: Path, verifier_path: Path, device: torch.device, dtype: torch.dtype = torch.float32):
-    """The exported draft, with its verifier weights read from the local verifier directory."""
+def load_draft(checkpoint: Path, verifier_path: Path, device: torch.device, dtype: torch.dtype | None = None):
+    """The exported draft, with its verifier weights read from the local verifier directory, in
+    `dtype` (None: float32)."""
+    import torch
     from speculators.models.eagle3 import Eagle3DraftModel
 
     config = Eagle3DraftModel.config_class.from_pretrained(checkpoint)
     config.speculators_config.verifier.name_or_path = str(verifier_path)
     config.transformer_layer_config._attn_implementation = "sdpa"
     model = Eagle3DraftModel.from_pretrained(checkpoint, config=config)
-    return model.to(device, dtype).eval()
+    return model.to(device, dtype or torch.float32).eval()
 
 
 @dataclass(frozen=True)
@@ -118,12 +121,17 @@ def _gain_row(k: int, draft: Counts, ngram: Counts) -> dict:
 
 def _decode_prompts(
     cfg: EvalConfig, device: str, checkpoint: ExportManifest, hidden_states: HiddenStatesManifest, verifier: VerifierManifest,
-    prompts: list[list[int]], references: list[list[int]], done: dict, done_log: Path,
+    prompts: list[list[int]], references: list[list[int]], done: dict, done_log: Path, max_memory: dict | None = None,
 ) -> dict:
-    """Decode every prompt not in `done` with the draft at each k on `device` and measure its
+    """Decode every prompt not in `done` with the draft at each k on `device` (the verifier's layers
+    spread over the devices of `max_memory` where given; the draft on `device`) and measure its
     first-token accuracy on the greedy output, appending each prompt to `done_log` as it finishes;
     all entries."""
-    on = DecodingModel.load(verifier, prompts, device, cfg.dtype)
+    import torch
+
+    from eagle3.evaluation.draft_proposer import Eagle3Proposer, draft_token_accuracy
+
+    on = DecodingModel.load(verifier, prompts, device, cfg.dtype, max_memory)
     capture = HiddenStateCapture(on.model.get_decoder(), hidden_states.aux_layer_ids)
     draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, on.device, getattr(torch, cfg.dtype)))
     forward = on.forward(capture, cfg.max_new_tokens)
@@ -209,6 +217,7 @@ def evaluate(
     provenance: Provenance,
     baselines: BaselineManifest | None = None,
     claim: GpuClaim = NO_GPU,
+    placement: VerifierConfig | None = None,
 ) -> EvalManifest:
     """Measure tau of the draft: by our own speculative decoding, outputs checked against the plain
     greedy ones of `baselines` (the same verifier, prompts and settings) and reported beside their
@@ -216,7 +225,8 @@ def evaluate(
     which has no baseline or greedy check (`greedy_tokens_per_s` and `mismatches` are None).
 
     `claim`: the CUDA device our own decoding runs on, claimed once this run holds the step (none
-    claimed: `cfg.device`); the server backend claims nothing. Our own decoding logs each prompt as
+    claimed: `cfg.device`; of several, the verifier's layers spread over them by `placement`); the
+    server backend claims nothing. Our own decoding logs each prompt as
     it finishes: a run killed midway resumes at the next prompt, and claims no GPU if none is left.
 
     Raises:
@@ -227,9 +237,11 @@ def evaluate(
         EndpointError: (backend 'vllm') the server is unreachable, does not serve
             `endpoint.model`, or runs without a draft.
     """
+    import torch
+
     if cfg.backend == "transformers" and baselines is None:
         raise ValueError("backend 'transformers' compares the draft with baselines: pass `baselines` (eagle3.evaluation.baseline)")
-    texts = read_prompts(prompts_path, cfg.num_prompts)
+    texts = eval_prompts(prompts_path, cfg.num_prompts)
     prompts = chat_prompts(verifier, texts, prompts_path) if cfg.backend == "transformers" else None  # a server templates its own
     with store.step_work_dir(EvalManifest, provenance) as (work, published):
         if published is not None:
@@ -246,8 +258,8 @@ def evaluate(
             done = read_done(done_log, "prompt")
             if len(done) < len(texts):
                 with clock.excluding_wait(claim()) as gpus:
-                    device = in_process_device(gpus, cfg.device)
-                    done = _decode_prompts(cfg, device, checkpoint, hidden_states, verifier, prompts, references, done, done_log)
+                    device, max_memory = decoding_placement(verifier.path, gpus, placement, getattr(torch, cfg.dtype), cfg.device)
+                    done = _decode_prompts(cfg, device, checkpoint, hidden_states, verifier, prompts, references, done, done_log, max_memory)
             measured = _summarize(cfg, [done[i] for i in range(len(texts))], references, baselines)
         report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches,
                   "draft_token_accuracy": measured.draft_token_accuracy, "draft_vocab_coverage": measured.draft_vocab_coverage,

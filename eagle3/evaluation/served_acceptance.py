@@ -12,15 +12,17 @@ acceptance of position i is the share of drafts whose first i tokens were all ac
 
 from __future__ import annotations
 
+import base64
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from eagle3.config import EndpointConfig, EvalConfig
+from eagle3.config import EndpointConfig, EvalConfig, redacted_url
 from eagle3.serving.endpoint import EndpointError, RequestRejected, chat, open_client
 from eagle3.store.artifacts import ArtifactError
 
@@ -55,8 +57,14 @@ def read_spec_decode_counters(cfg: EndpointConfig) -> SpecDecodeCounters:
         EndpointError: `/metrics` is unreachable or has no spec-decode counters for `cfg.model`.
     """
     url = metrics_url(cfg)
+    parts = urlsplit(url)
+    request = urllib.request.Request(parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl())
+    if parts.username is not None:  # urllib takes credentials as a header only
+        credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+        request.add_header("Authorization", f"Basic {base64.b64encode(credentials).decode()}")
+    url = redacted_url(url)  # as messages show it
     try:
-        with urllib.request.urlopen(url, timeout=cfg.timeout_s) as response:
+        with urllib.request.urlopen(request, timeout=cfg.timeout_s) as response:
             text = response.read().decode()
     except OSError as exc:
         raise EndpointError(f"{url}: cannot read the server's metrics: {exc}") from exc

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from eagle3.runtime.devices import inference_mode
+
+if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, these only where a step runs
+    import torch
 
 __all__ = ["DecodeStats", "NgramProposer", "greedy_decode", "speculative_decode"]
 
@@ -51,7 +55,7 @@ class NgramProposer:
         return []
 
 
-@torch.inference_mode()
+@inference_mode
 def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int, k: int, eos_ids: set[int]) -> DecodeStats:
     """Generate greedily with drafts from `proposer`; stops at an EOS token or `max_new_tokens`.
     `forward`: the verifier's (`eagle3.verifier.forward`), whose aux hidden states an EAGLE-3 proposer
@@ -83,7 +87,7 @@ def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int
     return stats
 
 
-@torch.inference_mode()
+@inference_mode
 def greedy_decode(forward, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeStats:
     """Plain greedy decoding, one verifier pass per token: the reference output and speed."""
     start = time.perf_counter()

@@ -6,10 +6,12 @@ connector (`server_args`, printed by `eagle3 extraction-server`): for each reque
 prompt's states at the given layers to a safetensors file, `hidden_states [seq, layers, H]` and
 `token_ids`, and answers with the file's path. This module asks for one sample per request with
 speculators' own response parsing and file lock, reads the file and removes it. The server must
-write where this host reads (one host, or a shared filesystem). The layers are fixed when the
-server starts; a file's layer count and width are checked, not which layers they are. vLLM's
-stock connector copies through CUDA streams; on a CPU-only server `eagle3.vllm_cpu_connector`
-stands in for it.
+write where this host reads (one host, or a shared filesystem), into the states directory
+(`extract.served_states_dir`): a path the server names is read and removed only if it lies inside
+that directory once links are resolved, so a server (or whoever answers in its place) cannot make
+this host read or delete any other file. The layers are fixed when the server starts; a file's
+layer count and width are checked, not which layers they are. vLLM's stock connector copies
+through CUDA streams; on a CPU-only server `eagle3.vllm_cpu_connector` stands in for it.
 """
 
 from __future__ import annotations
@@ -21,16 +23,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
-
-import openai
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-from speculators.data_generation.offline import check_hidden_states
-from speculators.data_generation.vllm_client import InvalidResponseError, extract_output, wait_for_lock
+from typing import TYPE_CHECKING
 
 from eagle3.config import ConfigError, EndpointConfig
 from eagle3.serving.endpoint import EndpointError, RequestRejected, open_client, request
+
+if TYPE_CHECKING:  # the step imports these when it runs: speculators alone takes 14 s to import on two cores
+    import openai
+    import torch
 
 __all__ = ["ServedStates", "read_states", "server_args"]
 
@@ -61,15 +61,23 @@ def server_args(layer_ids: list[int], storage_dir: Path, cpu: bool = False) -> l
     return ["--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(connector)]
 
 
-def read_states(path: str, token_ids: list[int], shape: tuple[int, int], source: str, lock_timeout_s: float = LOCK_TIMEOUT_S) -> torch.Tensor:
+def read_states(
+    path: str, token_ids: list[int], shape: tuple[int, int], source: str, storage: Path, lock_timeout_s: float = LOCK_TIMEOUT_S,
+) -> torch.Tensor:
     """The states `[seq, *shape]` in the file a server wrote for `token_ids`, once its writer lets
     go of the file's lock; the file is removed whatever happens. `source` names the sample and
-    server in errors.
+    server in errors; `storage` is the states directory the file must lie in.
 
     Raises:
-        EndpointError: the file cannot be read here (not shared, no permission, never written),
-            or holds other tokens, non-finite values or another (layers, H) than `shape`.
+        EndpointError: the path lies outside `storage` (nothing is read or removed), or the file
+            cannot be read here (not shared, no permission, never written), or holds other tokens,
+            non-finite values or another (layers, H) than `shape`.
     """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    from speculators.data_generation.offline import check_hidden_states
+
+    path = _inside(path, storage, source)
     _wait_for_writer(path, source, lock_timeout_s)
     try:
         data = load_file(path)
@@ -91,6 +99,25 @@ def read_states(path: str, token_ids: list[int], shape: tuple[int, int], source:
     return states
 
 
+def _inside(path: str, storage: Path, source: str) -> str:
+    """`path`, links resolved, if it and its lock file lie inside `storage`.
+
+    Raises:
+        EndpointError: either lies elsewhere: the answer is not a states file this run asked for.
+    """
+    root = os.path.realpath(storage)
+    resolved = os.path.realpath(path)
+    for candidate in (resolved, os.path.realpath(path + ".lock")):
+        if os.path.commonpath([root, candidate]) != root or candidate == root:
+            raise EndpointError(
+                f"{path} ({source}): the server named a file outside the states directory {root} "
+                "(extract.served_states_dir), links resolved; it was neither read nor removed. Start the server "
+                "with the flags `eagle3 extraction-server` prints for this configuration (its shared_storage_path), "
+                "and make sure the base_url is that server."
+            )
+    return resolved
+
+
 def _wait_for_writer(path: str, source: str, lock_timeout_s: float) -> None:
     """Return once the server's writer has let go of the file's lock.
 
@@ -99,6 +126,8 @@ def _wait_for_writer(path: str, source: str, lock_timeout_s: float) -> None:
             writer: removed now, it would be written afterwards and never removed), or cannot be
             opened here (the file and its lock are removed).
     """
+    from speculators.data_generation.vllm_client import wait_for_lock
+
     try:
         if os.path.exists(path + ".lock"):
             wait_for_lock(path + ".lock", timeout=lock_timeout_s)
@@ -149,10 +178,11 @@ def _too_long(record_id: str, index: int, num_tokens: int, reason: str) -> Confi
 
 
 class ServedStates:
-    """A client of an extracting server, checked to serve `cfg.model`; `states` per sample."""
+    """A client of an extracting server, checked to serve `cfg.model`, that writes its files into
+    `storage`; `states` per sample."""
 
-    def __init__(self, cfg: EndpointConfig, num_slots: int, hidden_size: int):
-        self.cfg = cfg
+    def __init__(self, cfg: EndpointConfig, num_slots: int, hidden_size: int, storage: Path):
+        self.cfg, self.storage = cfg, storage
         self.client, listing = open_client(cfg)
         self.max_model_len: int | None = getattr(listing, "max_model_len", None)  # tokens a request takes, where the server says
         self.shape = (num_slots, hidden_size)
@@ -213,16 +243,19 @@ class ServedStates:
             EndpointError: the server is unreachable or not set up to extract, or its file cannot
                 be read here or holds something else (`read_states`).
         """
+        from speculators.data_generation.vllm_client import InvalidResponseError, extract_output
+
         response = prefill(self.client, self.cfg, token_ids)
         try:
             path, _ = extract_output(response, token_ids)
         except InvalidResponseError as exc:
             if written := (getattr(response, "kv_transfer_params", None) or {}).get("hidden_states_path"):
-                with suppress(EndpointError):  # states of other tokens: unread, removed once written
+                with suppress(EndpointError):  # states of other tokens: unread, removed once written (if ours)
+                    written = _inside(written, self.storage, sample)
                     _wait_for_writer(written, sample, LOCK_TIMEOUT_S)
                     _remove(written)
             raise EndpointError(
-                f"{self.cfg.base_url}: {sample}: {exc}. Is the server started with the flags of "
+                f"{self.cfg.display_url}: {sample}: {exc}. Is the server started with the flags of "
                 "`eagle3 extraction-server` (method extract_hidden_states and a hidden-states connector)?"
             ) from exc
-        return read_states(path, token_ids, self.shape, f"{sample}, from {self.cfg.base_url}")
+        return read_states(path, token_ids, self.shape, f"{sample}, from {self.cfg.display_url}", self.storage)

@@ -3,6 +3,7 @@ they hold. Every GPU step stands on these; nothing here imports the rest of the 
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import tempfile
@@ -10,17 +11,22 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from eagle3.runtime.locks import exclusive_if_free
 
+if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, torch only where a step runs
+    import torch
+
 __all__ = [
     "compute_dtype",
+    "device_type",
     "free_device_memory",
+    "gpu_count",
     "gpu_memory_used_mib",
     "host_gpu_ids",
     "in_process_device",
+    "inference_mode",
     "lock_free_gpus",
     "resolve_device",
 ]
@@ -28,14 +34,47 @@ __all__ = [
 
 def resolve_device(device: str) -> torch.device:
     """`auto`: CUDA where torch sees a GPU, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    import torch
+
+    return torch.device(device_type(device) if device == "auto" else device)
+
+
+def device_type(device: str) -> str:
+    """`resolve_device(device).type`, without importing torch (3 s on two cores) on a host with no
+    GPU driver: cache keys ask it of every step, cached or not."""
+    if device != "auto":
+        return device.split(":")[0]
+    return "cuda" if gpu_count() > 0 else "cpu"
+
+
+def gpu_count() -> int:
+    """The GPUs torch sees. Without a GPU driver's device files (NVIDIA's, ROCm's, WSL's) torch sees
+    none, and is not imported to say so."""
+    if not any(Path(node).exists() for node in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def inference_mode(fn):
+    """`@torch.inference_mode()` that imports torch when `fn` runs, not when its module loads."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        import torch
+
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 on accelerators; float32 on CPU, where bf16 matmuls fall back to torch's scalar
     reference kernel unless the CPU has AVX512-BF16 or AMX: several times slower than float32."""
+    import torch
+
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
@@ -43,6 +82,8 @@ def free_device_memory(device) -> None:
     """Return what an attempt held to the device: collect the dropped tensors (an out-of-memory
     exception's frames pin them until collected), then empty torch's CUDA cache."""
     import gc
+
+    import torch
 
     gc.collect()
     if torch.device(device).type == "cuda":
@@ -68,7 +109,7 @@ def host_gpu_ids() -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return [d.strip() for d in visible.split(",") if d.strip()]
-    return [str(i) for i in range(torch.cuda.device_count())]
+    return [str(i) for i in range(gpu_count())]
 
 
 def in_process_device(devices: list[str] | None, fallback: str) -> str:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-import openai
+from typing import TYPE_CHECKING
 
 from eagle3.config import EndpointConfig
 
-__all__ = ["EndpointError", "RequestRejected", "ServedAnswer", "chat", "open_client", "request"]
+if TYPE_CHECKING:  # imported where a request is made: 2 s on two cores, for runs that never make one
+    import openai
 
-_REJECTED = (openai.BadRequestError, openai.UnprocessableEntityError)
+__all__ = ["EndpointError", "RequestRejected", "ServedAnswer", "chat", "open_client", "request"]
 
 
 class EndpointError(RuntimeError):
@@ -44,6 +44,8 @@ def open_client(cfg: EndpointConfig) -> tuple[openai.OpenAI, openai.types.Model]
     Raises:
         EndpointError: the server cannot be reached, or does not serve `cfg.model`.
     """
+    import openai
+
     client = openai.OpenAI(
         base_url=cfg.base_url,
         api_key=os.environ.get(cfg.api_key_env) or "EMPTY",
@@ -56,7 +58,7 @@ def open_client(cfg: EndpointConfig) -> tuple[openai.OpenAI, openai.types.Model]
         raise _unreachable(cfg, exc) from exc
     if (listing := next((m for m in served if m.id == cfg.model), None)) is None:
         raise EndpointError(
-            f"{cfg.base_url}: endpoint.model is {cfg.model!r}, but the server serves {[m.id for m in served]}; "
+            f"{cfg.display_url}: endpoint.model is {cfg.model!r}, but the server serves {[m.id for m in served]}; "
             "set endpoint.model to the served model name (`vllm serve --served-model-name`)."
         )
     return client, listing
@@ -83,10 +85,12 @@ def chat(client: openai.OpenAI, cfg: EndpointConfig, messages: list[dict[str, st
 
 def request(cfg: EndpointConfig, send):
     """`send()`, with the server's refusal of this request told apart from its failing to answer."""
+    import openai
+
     try:
         return send()
     except openai.APIStatusError as exc:
-        if isinstance(exc, _REJECTED) or exc.status_code == 413:
+        if isinstance(exc, (openai.BadRequestError, openai.UnprocessableEntityError)) or exc.status_code == 413:
             raise RequestRejected(_server_message(exc)) from exc
         raise _unreachable(cfg, exc) from exc
     except openai.APIError as exc:
@@ -99,12 +103,14 @@ def _server_message(exc: openai.APIStatusError) -> str:
 
 
 def _unreachable(cfg: EndpointConfig, exc: openai.APIError) -> EndpointError:
+    import openai
+
     hint = ""
     if isinstance(exc, openai.AuthenticationError):
         hint = f" Put the server's API key in ${cfg.api_key_env} (endpoint.api_key_env)."
     elif isinstance(exc, openai.NotFoundError):
-        hint = f" Is {cfg.base_url} the API root (it usually ends in /v1)?"
+        hint = f" Is {cfg.display_url} the API root (it usually ends in /v1)?"
     return EndpointError(
-        f"{cfg.base_url}: the server did not answer after {cfg.max_retries} retries "
+        f"{cfg.display_url}: the server did not answer after {cfg.max_retries} retries "
         f"(endpoint.max_retries, endpoint.timeout_s={cfg.timeout_s:g}): {type(exc).__name__}: {exc}.{hint}"
     )

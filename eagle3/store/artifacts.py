@@ -12,9 +12,11 @@ Layout under the store root:
 An artifact's digest is the sha256 over its files' relative paths and contents, so two runs
 that produce the same bytes share one directory. Publishing is a rename of a finished work
 directory whose files are on disk (fsynced), so a reader never sees half an artifact, even
-after a power loss. A step holds its work directory's lock while it runs: two runs of a step on
-the same inputs take turns instead of writing into one directory, and the later one returns what
-the earlier one published (`step_work_dir`) instead of doing the step again.
+after a power loss. Publishing bytes the store already holds checks the stored copy first
+(`artifact_damage`) and replaces it if a file changed since: recomputing repairs an artifact.
+A step holds its work directory's lock while it runs: two runs of a step on the same inputs take
+turns instead of writing into one directory, and the later one returns what the earlier one
+published (`step_work_dir`) instead of doing the step again.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from eagle3.store.files import TEMP_SUFFIX, atomic_write_text, digest_file, fsyn
 from eagle3.store.manifests import MANIFEST, ArtifactManifest, Producer, Provenance
 from eagle3.store.versions import code_version
 
-__all__ = ["PUBLISHED", "SERVED_STATES", "ArtifactError", "ArtifactStore", "digest_tree", "step_provenance"]
+__all__ = ["PUBLISHED", "SERVED_STATES", "ArtifactError", "ArtifactStore", "artifact_damage", "digest_tree", "read_manifest_record",
+           "step_provenance"]
 
 PUBLISHED = "published"  # <kind>-<provenance key> -> digest of the artifact published for it
 SERVED_STATES = "served-states"  # where an extracting vLLM server writes states files by default (`eagle3 extraction-server`)
@@ -67,6 +70,47 @@ def digest_tree(root: Path, file_digest=digest_file) -> str:
     for p in _files(root):
         h.update(p.relative_to(root).as_posix().encode() + b"\0" + file_digest(p).encode() + b"\n")
     return h.hexdigest()
+
+
+def _damaged(manifest: Path, why: str) -> ArtifactError:
+    return ArtifactError(manifest, f"{why}: the artifact is damaged; delete {manifest.parent} and re-run to compute it again "
+                                   "(`eagle3 artifacts verify --remove` removes every damaged artifact)")
+
+
+def _record_or_problem(manifest: Path) -> dict | str:
+    try:
+        record = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError) as exc:
+        return f"not readable JSON ({exc})"
+    return record if isinstance(record, dict) else "not a JSON object"
+
+
+def read_manifest_record(manifest: Path) -> dict:
+    """An artifact's `manifest.json` as a dict.
+
+    Raises:
+        ArtifactError: the file is missing or is not a JSON object (names the file and the fix).
+    """
+    record = _record_or_problem(manifest)
+    if isinstance(record, str):
+        raise _damaged(manifest, record)
+    return record
+
+
+def artifact_damage(path: Path) -> str | None:
+    """What is wrong with the stored artifact `path` (None: its manifest reads and its files hash to
+    the digest it is stored under)."""
+    record = _record_or_problem(path / MANIFEST)
+    if isinstance(record, str):
+        return f"{MANIFEST} is {record}"
+    if record.get("digest") != path.name:
+        return f"{MANIFEST} does not name this artifact's digest"
+    found = digest_tree(path)
+    if found != path.name:
+        return f"its files hash to {found[:12]}, not the digest it is stored under: a file changed, appeared or went since it was published"
+    return None
 
 
 class ArtifactStore:
@@ -103,7 +147,10 @@ class ArtifactStore:
         returned carries `provenance`."""
         pointer = self._pointer(manifest_type.model_fields["kind"].default, provenance.key)
         if pointer.exists() and (self.artifact_dir(digest := pointer.read_text()) / MANIFEST).exists():
-            return self.load(manifest_type, digest).model_copy(update=provenance.model_dump())
+            try:
+                return self.load(manifest_type, digest).model_copy(update=provenance.model_dump())
+            except ArtifactError as exc:  # the step runs again, and its publish replaces the damaged copy
+                logger.warning("%s; computing it again", exc)
         return None
 
     @contextmanager
@@ -136,7 +183,7 @@ class ArtifactStore:
     def _memo_digest(self, path: Path) -> str:
         stat = path.stat()
         memo_path = self.root / "file-digests.json"
-        memo = json.loads(memo_path.read_text()) if memo_path.exists() else {}
+        memo = self._read_memo(memo_path)
         tag = f"{stat.st_size}:{stat.st_mtime_ns}"
         entry = memo.get(str(path))
         if entry and entry["tag"] == tag:
@@ -146,11 +193,26 @@ class ArtifactStore:
         atomic_write_text(memo_path, json.dumps(memo, indent=0))
         return digest
 
+    @staticmethod
+    def _read_memo(memo_path: Path) -> dict:
+        """The digest memo; a damaged one is only a cache: it is started afresh (and rewritten whole)."""
+        try:
+            memo = json.loads(memo_path.read_text())
+            if isinstance(memo, dict):
+                return memo
+            raise ValueError("not a JSON object")
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            logger.warning("%s: unreadable (%s); digests are computed afresh and the file rewritten", memo_path, exc)
+            return {}
+
     def publish(self, work: Path, manifest: M) -> M:
         """Turn a finished work directory into an artifact named by its content digest.
 
         `manifest` comes with everything but `digest`, `path`, `num_bytes` and `producer`, which are
-        filled here. An artifact already in the store keeps its manifest, so its first producer.
+        filled here. An artifact already in the store keeps its manifest, so its first producer, unless
+        it is damaged (`artifact_damage`): then this directory replaces it.
         """
         files = _files(work)
         for path in [*files, *sorted((d for d in work.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts))]:
@@ -161,22 +223,37 @@ class ArtifactStore:
         manifest = manifest.model_copy(update={"digest": digest, "path": final, "num_bytes": num_bytes, "producer": self.producer})
         atomic_write_text(work / MANIFEST, manifest.model_dump_json(indent=2))
         fsync(work)
-        if final.exists():
-            shutil.rmtree(work)
-            first = type(manifest).model_validate_json((final / MANIFEST).read_text())
-            manifest = manifest.model_copy(update={"producer": first.producer})
-        else:
+        if final.exists() and (damage := artifact_damage(final)) is not None:
+            logger.warning("%s: %s; replacing it with the copy just computed", final, damage)
+            damaged = final.with_name(f".{digest}.damaged-{os.getpid()}")  # not a digest: gc removes it if this run dies here
+            os.replace(final, damaged)
+            shutil.rmtree(damaged)
+        try:
             os.replace(work, final)
             fsync(final.parent)
+        except OSError:  # already there (and intact, or another run's copy since)
+            if not final.exists():
+                raise
+            shutil.rmtree(work)
+            first = self.load(type(manifest), digest)
+            manifest = manifest.model_copy(update={"producer": first.producer})
         source = Provenance.model_validate(manifest.model_dump(include=set(Provenance.model_fields)))
         atomic_write_text(self._pointer(manifest.kind, source.key), digest)
         return manifest
 
     def load(self, manifest_type: type[M], digest: str) -> M:
+        """The stored manifest of artifact `digest`.
+
+        Raises:
+            ArtifactError: no such artifact, or its manifest is not a readable `manifest_type`.
+        """
         path = self.artifact_dir(digest) / MANIFEST
         if not path.exists():
             raise ArtifactError(path, "no such artifact (deleted, or from another store)")
-        return manifest_type.model_validate_json(path.read_text())
+        try:
+            return manifest_type.model_validate(read_manifest_record(path))
+        except ValueError as exc:
+            raise _damaged(path, f"not a {manifest_type.__name__} ({str(exc).splitlines()[0]})") from exc
 
 
 def step_provenance(step: str, store: ArtifactStore, **inputs: Any) -> Provenance:

@@ -8,12 +8,11 @@ for one flow run the graph tells what the run produced and what it took from ear
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3.store.artifacts import ArtifactError, ArtifactStore
+from eagle3.store.artifacts import ArtifactError, ArtifactStore, read_manifest_record
 from eagle3.store.manifests import MANIFEST
 
 __all__ = ["RunLineage", "change_summary", "find_artifact", "lineage", "lineage_table", "to_mermaid"]
@@ -49,7 +48,7 @@ def lineage(store: ArtifactStore, digests: list[str], leaf_edges: frozenset[str]
             if not path.exists():
                 nodes[digest] = {"kind": "input", "name": name, "digest": digest, "parents": {}}
                 continue
-            nodes[digest] = json.loads(path.read_text())
+            nodes[digest] = read_manifest_record(path)
         if follow and digest not in expanded:  # a node first reached as a leaf is expanded when reached otherwise
             expanded.add(digest)
             stack.extend((parent, edge, edge not in leaf_edges) for edge, parent in nodes[digest].get("parents", {}).items())

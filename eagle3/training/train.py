@@ -4,26 +4,31 @@ Inputs: prepared dataset, hidden states, vocab mapping and verifier directory. s
 `datasets.save_to_disk` directory beside `hidden_states/hs_{i}.safetensors`; this step builds
 that layout in its work dir (the hidden-state files are linked, not copied), then runs
 `Eagle3DraftModel` under speculators' `Trainer` with test-time training (`ttt_steps`), a checkpoint
-per epoch (resumed after a crash, optimizer included) and per-step `loss_k`/`full_acc_k`/`cond_acc_k`.
+per epoch and per-step `loss_k`/`full_acc_k`/`cond_acc_k`. After a crash or a kill, training resumes
+from the last validated epoch checkpoint, exactly: the draft equals an uninterrupted run's
+(`eagle3.training.resume`). Before it trains, every hidden-state file is checked against the sha256
+recorded when it was extracted (`eagle3.store.verify`): a damaged shard is removed, not trained on.
+Given an `online_states` artifact instead (`train.hidden_states=online`, `eagle3.training.online`),
+there are no files: the verifier computes each batch's states inside training.
 
 One attempt (`eagle3.training.train_worker`) runs in this process on CPU and under `torchrun` on GPUs, one
 process per claimed device, so every attempt starts with empty GPUs; out of memory relaunches from
-the last epoch checkpoint with half the batch (`total_seq_len`), recorded in the manifest.
+the last epoch checkpoint with half the batch (`total_seq_len`), recorded in the manifest, but never
+so small that a record loses supervised tokens (`eagle3.training.packing`).
 
-Output: `checkpoint/` (the last epoch's `config.json` + `model.safetensors`, as speculators saves
-them), `metrics.jsonl` (one line per step and per validation epoch), on GPUs `train.log` (what the
+Output: `checkpoint/` (`config.json` + `model.safetensors` in bf16, as speculators saves them, of the
+epoch with the best simulated acceptance length on the validation split: `eagle3.training.epochs`), `metrics.jsonl` (one line per step and per validation epoch), on GPUs `train.log` (what the
 `torchrun` processes printed, dynamo's warnings included) and `training_curves.png` (loss and
 per-TTT-step acceptance by epoch, drawn from `metrics.jsonl`). Step timings stay out of the
 artifact, so identical CPU trainings publish one artifact: the manifest holds their summary
-(`tokens_per_s`, `time_breakdown_s`). The simulated acceptance
-length is `1 + sum_j prod_{i<=j} cond_acc_i` over the TTT steps, from validation accuracies.
+(`tokens_per_s`, `time_breakdown_s`).
 Cost on CPU: ~1.3 s per 512-token step for a SmolLM2-135M verifier.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import logging
 import os
 import shutil
 import subprocess
@@ -31,35 +36,46 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
 from eagle3.config import TrainConfig
 from eagle3.data.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.extraction.shards import HiddenStatesManifest, hidden_state_files
-from eagle3.runtime.attempts import NO_GPU, Backoff, BatchBackoff, GpuClaim, OutOfMemory, dying_with_parent
+from eagle3.runtime.attempts import NO_GPU, Backoff, GpuClaim, OutOfMemory, dying_with_parent
 from eagle3.runtime.devices import gpu_memory_used_mib, resolve_device
 from eagle3.runtime.stopwatch import Stopwatch
-from eagle3.store.artifacts import ArtifactError, ArtifactStore
+from eagle3.store.artifacts import ArtifactError, ArtifactStore, read_manifest_record, step_provenance
+from eagle3.store.files import atomic_write_text
 from eagle3.store.manifests import MANIFEST, ArtifactManifest, Provenance
 from eagle3.store.promotions import promoted_checkpoints
+from eagle3.store.verify import remove_damaged, verify_shards
 from eagle3.training import train_timing
-from eagle3.training.train_worker import TrainSpec, report_step, train_attempt
+from eagle3.training.epochs import best_epoch, epoch_summaries
+from eagle3.training.metrics_log import read_log
+from eagle3.training.packing import LosslessBackoff, check_total_seq_len
+from eagle3.training.resume import prepare_resume, resume_point
 from eagle3.training.training_curves import render_training_curves
 from eagle3.training.vocab_mapping import VocabManifest
 from eagle3.verifier.resolve_verifier import VerifierManifest
 
-__all__ = ["DraftManifest", "previous_draft", "simulated_acceptance_length", "train_draft"]
+if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, these only where a step runs
+    from eagle3.training.train_worker import TrainSpec
 
+__all__ = ["DraftManifest", "previous_draft", "train_draft", "training_provenance"]
+
+logger = logging.getLogger(__name__)
 
 
 class DraftManifest(ArtifactManifest):
     kind: str = "draft"
     epochs: list[dict[str, float]]
     num_steps: int
-    tau_sim: float
+    tau_sim: float = Field(description="the selected epoch's simulated acceptance length on the validation split")
+    selected_epoch: int | None = Field(None, description="the epoch whose weights the draft ships: the best tau_sim (eagle3.training.epochs)")
     checkpoint: str = "checkpoint"
-    backoffs: list[Backoff] = []
+    backoffs: list[Backoff] = Field(default_factory=list)
     gpu_memory_after_mib: dict[str, int] | None = Field(
         None, description="memory in use on each claimed GPU once the training processes exited"
     )
@@ -74,11 +90,6 @@ class DraftManifest(ArtifactManifest):
     )
 
 
-def simulated_acceptance_length(cond_acc: list[float]) -> float:
-    """Expected tokens per verifier pass for a chain draft: 1 + sum_j prod_{i<=j} cond_acc_i."""
-    return 1.0 + sum(math.prod(cond_acc[: j + 1]) for j in range(len(cond_acc)))
-
-
 def previous_draft(
     store: ArtifactStore, cfg: TrainConfig, verifier: VerifierManifest, hidden_states: HiddenStatesManifest, dataset: DatasetManifest
 ) -> DraftManifest | None:
@@ -88,10 +99,14 @@ def previous_draft(
     store holds none."""
     candidates = []
     for path in (store.root / "artifacts").glob(f"*/{MANIFEST}"):
-        record = json.loads(path.read_text())
-        if record.get("kind") != "draft" or record.get("finished_at") is None:
-            continue  # another kind, or a draft from before drafts recorded when they finished
-        draft = DraftManifest.model_validate(record)
+        try:
+            record = read_manifest_record(path)
+            if record.get("kind") != "draft" or record.get("finished_at") is None:
+                continue  # another kind, or a draft from before drafts recorded when they finished
+            draft = DraftManifest.model_validate(record)
+        except (ArtifactError, ValueError) as exc:  # a damaged artifact is no draft to continue from
+            logger.warning("%s", str(exc).splitlines()[0])
+            continue
         if (
             draft.parents.get("verifier") == verifier.digest
             and draft.aux_layer_ids == hidden_states.aux_layer_ids
@@ -107,8 +122,33 @@ def previous_draft(
     return max(candidates, key=lambda d: (d.digest in promoted, d.finished_at), default=None)
 
 
-def _speculators_data_dir(root: Path, dataset: DatasetManifest, hidden_states: HiddenStatesManifest) -> Path:
-    """speculators' training layout: `save_to_disk` records + `hidden_states/hs_{i}` links."""
+def _verify_hidden_states(store: ArtifactStore, hidden_states: HiddenStatesManifest) -> None:
+    """Check every hidden-state file against the sha256 its shard recorded when it was extracted.
+
+    Raises:
+        ArtifactError: a shard is damaged (a file changed, went missing or does not read): it is removed,
+            with the hidden-state artifacts that list it, so the re-run's extraction extracts it again.
+    """
+    files = hidden_state_files(hidden_states)
+    damaged = verify_shards(sorted({path.parent for path in files.values()}))
+    if damaged:
+        removed = remove_damaged(store, damaged)
+        raise ArtifactError(
+            damaged[0].path,
+            f"{damaged[0].problem}{f' (and {len(damaged) - 1} more damaged shards)' if len(damaged) > 1 else ''}: not trained on. "
+            f"Removed it and what lists it ({len(removed)} directories): re-run, and extraction extracts it again.",
+        )
+
+
+def training_provenance(store: ArtifactStore, **inputs) -> Provenance:
+    """The step's provenance; its route is `draft/online` where training computes the states itself
+    (`hidden_states` an `online_states` artifact), so the code that computes them is in the key."""
+    online = inputs["hidden_states"].kind == "online_states"
+    return step_provenance("draft/online" if online else "draft", store, **inputs)
+
+
+def _speculators_data_dir(root: Path, dataset: DatasetManifest, hidden_states: HiddenStatesManifest | None) -> Path:
+    """speculators' training layout: `save_to_disk` records + `hidden_states/hs_{i}` links (none online)."""
     from datasets import Dataset
 
     data_dir = root / "data"
@@ -116,6 +156,8 @@ def _speculators_data_dir(root: Path, dataset: DatasetManifest, hidden_states: H
         shutil.rmtree(data_dir)
     table = load_dataset_table(dataset).select(["input_ids", "loss_mask", "seq_len"])
     Dataset(table).with_format("torch").save_to_disk(str(data_dir))
+    if hidden_states is None:
+        return data_dir
     links = data_dir / "hidden_states"
     links.mkdir()
     files = hidden_state_files(hidden_states)
@@ -124,21 +166,6 @@ def _speculators_data_dir(root: Path, dataset: DatasetManifest, hidden_states: H
     for index, path in files.items():
         os.symlink(path, links / f"hs_{index}.safetensors")
     return data_dir
-
-
-def _epoch_summaries(records: list[dict], ttt_steps: int) -> list[dict[str, float]]:
-    """Validation numbers per epoch (the last report wins where a resume repeated an epoch)."""
-    summaries: dict[int, dict[str, float]] = {}
-    for record in records:
-        if "val" not in record:
-            continue
-        val = record["val"]
-        cond = [val[f"cond_acc_{k}_epoch"] for k in range(ttt_steps)]
-        summary = {"epoch": record["epoch"], "val_loss": val["loss_epoch"], "tau_sim": simulated_acceptance_length(cond)}
-        summary.update({f"full_acc_{k}": val[f"full_acc_{k}_epoch"] for k in range(ttt_steps)})
-        summary.update({f"cond_acc_{k}": c for k, c in enumerate(cond)})
-        summaries[record["epoch"]] = summary
-    return [summaries[e] for e in sorted(summaries)]
 
 
 def _read_new_lines(path: Path, offset: int) -> tuple[list[dict], int]:
@@ -155,8 +182,10 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) ->
     Progress is read from the metrics log the rank-0 process appends to. `torch.compile`'s cache
     goes to `compile_cache` unless TORCHINDUCTOR_CACHE_DIR is set: compiling the draft cold takes
     minutes on an H200, against seconds for epochs of steps, and /tmp may not outlive the machine."""
+    from eagle3.training.train_worker import report_step
+
     spec_file = spec.work / "spec.json"
-    spec_file.write_text(spec.model_dump_json())
+    atomic_write_text(spec_file, spec.model_dump_json())
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(gpus)}",
                "-m", "eagle3.training.train_worker", str(spec_file)]
     env = {"TORCHINDUCTOR_CACHE_DIR": str(compile_cache), **os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
@@ -189,6 +218,8 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) ->
 def _in_process(spec: TrainSpec, on_step) -> OutOfMemory | None:
     import torch
 
+    from eagle3.training.train_worker import train_attempt
+
     oom = None
     try:
         train_attempt(spec, on_step)
@@ -209,49 +240,64 @@ def train_draft(
     claim: GpuClaim = NO_GPU,
     init: DraftManifest | None = None,
 ) -> DraftManifest:
-    """Train an EAGLE-3 draft; resumes from the last epoch checkpoint of an interrupted run.
+    """Train an EAGLE-3 draft; resumes from the last validated epoch checkpoint of an interrupted run.
 
     `init`: an earlier draft whose trainable weights training starts from (None: fresh weights).
     `claim`: the CUDA devices to train on, claimed once this run holds the step; training then runs
     under torchrun, one process per device (none claimed: in this process on `cfg.device`). On
     out-of-memory, relaunches from the last checkpoint with half the `total_seq_len`, down to
-    `cfg.min_total_seq_len`.
+    `cfg.min_total_seq_len` or the longest record's supervised tokens, whichever is more.
     `on_step(step, total, metrics)` is called after every optimizer step (for progress reports).
+
+    Raises:
+        ConfigError: `cfg.total_seq_len` would cut supervised tokens of a record (before any work).
+        ArtifactError: a hidden-state shard is damaged (removed, so a re-run extracts it again).
+        RuntimeError: out of memory at the smallest batch allowed, or training was interrupted by a signal.
     """
+    from eagle3.training.train_worker import TrainSpec
+    from eagle3.training.trainer_compat import save_bf16_checkpoint
+
+    extent = check_total_seq_len(cfg.total_seq_len, dataset)
     with store.step_work_dir(DraftManifest, provenance) as (work, published):
         if published is not None:
             return published
         clock = Stopwatch()  # not counting a wait for another run of this step, or for a GPU
-        _speculators_data_dir(work, dataset, hidden_states)
-        backoff = BatchBackoff(
-            "train.total_seq_len", cfg.total_seq_len, "train.min_total_seq_len", cfg.min_total_seq_len,
-            kept=f"Finished epochs are kept in {work / 'checkpoints'}: a re-run resumes from the last.",
-        )
+        online = hidden_states.kind == "online_states"  # no files: the verifier computes the states in training
+        if not online:
+            _verify_hidden_states(store, hidden_states)
+        _speculators_data_dir(work, dataset, None if online else hidden_states)
+        backoff = LosslessBackoff(cfg, extent, dataset, kept=f"Finished epochs are kept in {work / 'checkpoints'}: a re-run resumes from the last.")
         with clock.excluding_wait(claim()) as gpus:
             spec = TrainSpec(
                 cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=hidden_states.aux_layer_ids,
                 hidden_size=hidden_states.hidden_size, vocab=vocab, total_seq_len=cfg.total_seq_len,
                 device="cuda" if gpus else str(resolve_device(cfg.device)),
                 init_checkpoint=init.path / init.checkpoint if init else None,
+                online_storage=hidden_states.storage if online else None,
             )
-            while (oom := _torchrun(spec, gpus, on_step, store.root / "compile-cache") if gpus else _in_process(spec, on_step)) is not None:
+            while True:
+                point = prepare_resume(spec.checkpoints, spec.metrics_log, spec.timing_log, cfg.ttt_steps)
+                spec = spec.model_copy(update={"validate_epoch": None if point.validated else point.epoch})
+                oom = _torchrun(spec, gpus, on_step, store.root / "compile-cache") if gpus else _in_process(spec, on_step)
+                if oom is None:
+                    break
                 spec = spec.model_copy(update={"total_seq_len": backoff.after(oom)})
             gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
 
-        last_epoch = max((int(p.name) for p in spec.checkpoints.iterdir() if p.name.isdigit()), default=-1)
-        if last_epoch != cfg.epochs - 1:  # speculators saves and returns on SIGINT/SIGTERM instead of raising
+        history = read_log(spec.metrics_log)
+        point = resume_point(spec.checkpoints, history)
+        if point.finished_epochs != cfg.epochs:  # speculators saves and returns on SIGINT/SIGTERM instead of raising
             raise RuntimeError(
-                f"training was interrupted after {last_epoch + 1} of {cfg.epochs} epochs; finished epochs are kept "
+                f"training was interrupted after {point.finished_epochs} of {cfg.epochs} epochs; finished epochs are kept "
                 f"in {spec.checkpoints}: a re-run resumes from the last."
             )
-        history = [json.loads(line) for line in spec.metrics_log.read_text().splitlines()]
-        epochs = _epoch_summaries(history, cfg.ttt_steps)
+        epochs = epoch_summaries(history, cfg.ttt_steps)
+        assert [e["epoch"] for e in epochs] == list(range(cfg.epochs)), epochs  # resume_point counts validated epochs only
+        selected = best_epoch(epochs)
         out = work / "artifact"
         if out.exists():
             shutil.rmtree(out)
-        (out / "checkpoint").mkdir(parents=True)
-        for name in ("config.json", "model.safetensors"):
-            shutil.copy2(spec.checkpoints / str(last_epoch) / name, out / "checkpoint" / name)
+        save_bf16_checkpoint(spec.checkpoints / str(selected), out / "checkpoint")
         shutil.copy2(spec.metrics_log, out / "metrics.jsonl")
         if (work / "train.log").exists():  # GPU training is not bit-reproducible anyway; on CPU there is no such log
             shutil.copy2(work / "train.log", out / "train.log")
@@ -262,8 +308,9 @@ def train_draft(
                 **provenance.model_dump(),
                 path=out,
                 epochs=epochs,
-                num_steps=len({r["global_step"] for r in history if "train" in r}),  # a resumed step is logged twice
-                tau_sim=epochs[-1]["tau_sim"],
+                num_steps=len({r["global_step"] for r in history if "train" in r}),
+                tau_sim=epochs[selected]["tau_sim"],
+                selected_epoch=selected,
                 aux_layer_ids=hidden_states.aux_layer_ids,
                 finished_at=datetime.now(UTC),
                 backoffs=backoff.taken,

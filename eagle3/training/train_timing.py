@@ -9,14 +9,15 @@ workers, `torch.compile` and kernel autotuning in the first step, validation and
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from eagle3.training.metrics_log import read_log
 
 __all__ = ["median_tokens_per_s", "time_breakdown"]
 
 
 def _records(timing_log: Path) -> list[dict]:
-    return [json.loads(line) for line in timing_log.read_text().splitlines()] if timing_log.exists() else []
+    return read_log(timing_log)  # a line a kill cut short is left out
 
 
 def median_tokens_per_s(timing_log: Path) -> float | None:

@@ -4,6 +4,10 @@ spec.json` on GPUs (one process per GPU, DDP or FSDP), so each attempt gets fres
 
 A rank that runs out of memory writes `oom-rank<r>.json` beside the checkpoints and exits with
 `OOM_EXIT`; the launcher relaunches with a smaller batch from the last epoch checkpoint.
+Samples' states come from the shard files, bf16 or FP8, or (`train.hidden_states=online`) from
+the verifier, run in this process as the trainer asks for each batch. The
+launcher prepares each attempt's resume (`eagle3.training.resume`); an attempt validates first the
+epoch checkpoint whose validation a kill cut short (`TrainSpec.validate_epoch`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from eagle3.runtime.devices import compute_dtype
 from eagle3.runtime.faults import FAULT_OOM_ENV, simulate_oom_above
 from eagle3.store.files import atomic_write_text
 from eagle3.training import trainer_compat
+from eagle3.training.epochs import best_epoch, epoch_summaries
+from eagle3.training.metrics_log import read_log
+from eagle3.training.resume import drop_checkpoints_before
 from eagle3.training.vocab_mapping import VocabManifest, load_vocab_mapping
 from eagle3.training.warm_start import warm_start
 
@@ -47,6 +54,8 @@ class TrainSpec(BaseModel):
     total_seq_len: int
     device: str
     init_checkpoint: Path | None = None
+    validate_epoch: int | None = None  # an epoch checkpoint to validate before training on (its validation was cut short)
+    online_storage: str | None = None  # states computed here by the verifier, rounded to this precision; None: read from files
 
     @property
     def metrics_log(self) -> Path:
@@ -144,7 +153,7 @@ def speculators_train_config(spec: TrainSpec):
             "train_data_ratio": cfg.train_data_ratio,
             "seed": cfg.seed,
             "on_missing": "raise",
-            "num_workers": 0 if device.type == "cpu" else 4,
+            "num_workers": 0 if device.type == "cpu" or spec.online_storage else 4,  # online: one verifier, in this process
         }
     )
 
@@ -154,7 +163,6 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
 
     `on_step(step, total, metrics)` is called after every optimizer step on rank 0.
     """
-    from hs_connectors import FileTransfer
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.models.eagle3.rotary_partial import install_partial_neox_rotary
@@ -171,6 +179,7 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
 
     if device.type == "cuda":
         maybe_setup_distributed()  # a no-op outside torchrun
+    transfer = _transfer(spec, device, dtype)  # before seeding: loading a verifier must not shift the draft's initialisation
     _seed(cfg.seed)
     install_partial_neox_rotary()
     d2t, t2d = load_vocab_mapping(spec.vocab)
@@ -193,7 +202,7 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
         data_path=str(data_dir),
         total_seq_len=spec.total_seq_len,
         hidden_states_dtype=dtype,
-        transfer=FileTransfer(data_dir / "hidden_states"),
+        transfer=transfer,
         vllm_endpoint=flat["vllm_endpoint"],
         on_missing="raise",
         verifier_name_or_path=verifier_path,
@@ -209,6 +218,10 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
         train_data_ratio=cfg.train_data_ratio,
         seed=cfg.seed,
     )
+    if spec.online_storage is not None:
+        from eagle3.training.online_transfer import feed
+
+        feed([train_loader, val_loader], transfer)
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(**flat)
     trainer_config = TrainerConfig(
         num_epochs=cfg.epochs,
@@ -232,15 +245,38 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
         atomic_write_text(spec.work / "plan.json", json.dumps({"total_steps": total_steps}))
 
     def on_record(record: dict) -> None:
+        if "val" in record:  # its epoch is done: the run resumes from no earlier checkpoint, and may ship the best
+            best = best_epoch(epoch_summaries(read_log(spec.metrics_log), spec.cfg.ttt_steps))
+            drop_checkpoints_before(spec.checkpoints, record["epoch"], keep=best)
         if on_step is not None:
             report_step(record, total_steps, on_step)
 
     metrics = _collect_metrics(spec.metrics_log, spec.timing_log, on_record) if rank0 else _no_metrics()
     try:
         with trainer_compat.trainer_class(device) as trainer_cls, metrics:
-            trainer_cls(model, trainer_config, train_loader, val_loader).run_training()
+            trainer = trainer_cls(model, trainer_config, train_loader, val_loader)
+            if spec.validate_epoch is not None:  # the trainer loaded that checkpoint
+                trainer.maybe_update_best(spec.validate_epoch, trainer.val_epoch(spec.validate_epoch))
+            trainer.run_training()
     finally:
+        if spec.online_storage is not None:
+            transfer.close()
         maybe_destroy_distributed()
+
+
+def _transfer(spec: TrainSpec, device: torch.device, dtype: torch.dtype):
+    """Where speculators' loaders take each sample's states from: the shard files (bf16 or FP8: hs-connectors'
+    `FP8Transfer` dequantizes FP8 files to `dtype` and passes bf16 ones through; its `FileTransfer` would hand
+    FP8 codes on unscaled, silently), or the verifier, run here (`eagle3.training.online_transfer`)."""
+    from hs_connectors import FP8Transfer
+
+    if spec.online_storage is None:
+        return FP8Transfer(spec.work / "data" / "hidden_states", dequantize_dtype=dtype)
+    from eagle3.training.online_transfer import OnlineStates
+
+    verifier_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if device.type == "cuda" else device
+    return OnlineStates(spec.verifier_path, spec.aux_layer_ids, spec.online_storage, verifier_device, dtype,
+                        budget=spec.total_seq_len, keep_bytes=int(spec.cfg.online_buffer_gb * 1e9))
 
 
 @contextmanager

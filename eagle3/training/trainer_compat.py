@@ -16,21 +16,32 @@ need CPU-capable implementations too (flex attention has no CPU backward, the fu
 Triton): see `draft_attn_impl` and `loss_implementation`. On CPU the trainer is given float32 as its
 autocast dtype (`verifier.compute_dtype`), which CPU autocast declines with a warning per step site:
 training then runs in plain float32, as intended, and the warning is silenced.
+
+Everywhere: speculators saves epoch checkpoints (weights and optimizer state) in bf16, so a run
+resumed from one continues from rounded weights and moments (and AdamW's step count, a float,
+rounds past 256): its draft differed from an uninterrupted run's in every trial. Checkpoints are
+saved in float32 instead, so resuming loads exactly the state training had; the scheduler state is
+saved exactly already, the data order is a function of seed and epoch, and no training step draws
+random numbers (no dropout), so no RNG state is needed. The draft artifact keeps speculators' bf16
+weights (`save_bf16_checkpoint`, byte for byte what its checkpointer writes).
 """
 
 from __future__ import annotations
 
+import functools
+import shutil
 import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import speculators.train.checkpointer as checkpointer_module
 import speculators.train.trainer as trainer_module
 import torch
 from speculators.train.trainer import Trainer
 
-__all__ = ["CpuTrainer", "draft_attn_impl", "loss_implementation", "trainer_class"]
+__all__ = ["CpuTrainer", "ExactResumeTrainer", "draft_attn_impl", "loss_implementation", "save_bf16_checkpoint", "trainer_class"]
 
 
 def draft_attn_impl(device: torch.device) -> str:
@@ -52,7 +63,15 @@ class _UnsyncedStepTimer(trainer_module._StepTimer):
         return time.perf_counter() if self.enabled else None
 
 
-class CpuTrainer(Trainer):
+class ExactResumeTrainer(Trainer):
+    """speculators' Trainer with its checkpoints saved in float32, so a resumed run continues exactly."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)  # loads a checkpoint as the model's own dtype: float32 loads exactly
+        self.checkpointer.save_checkpoint = functools.partial(self.checkpointer.save_checkpoint, float_dtype=torch.float32)
+
+
+class CpuTrainer(ExactResumeTrainer):
     """speculators' Trainer with the model and batches on the CPU."""
 
     def __init__(self, *args, **kwargs):
@@ -84,7 +103,7 @@ def trainer_class(device: torch.device) -> Iterator[type[Trainer]]:
     if device.type != "cpu":
         _separate_fused_loss_autotune_configs()
         _allow_a_graph_per_cache_length_and_grad_mode()
-        yield Trainer
+        yield ExactResumeTrainer
         return
     saved = trainer_module._StepTimer, checkpointer_module.get_current_device
     trainer_module._StepTimer = _UnsyncedStepTimer
@@ -95,3 +114,16 @@ def trainer_class(device: torch.device) -> Iterator[type[Trainer]]:
             yield CpuTrainer
     finally:
         trainer_module._StepTimer, checkpointer_module.get_current_device = saved
+
+
+def save_bf16_checkpoint(checkpoint: Path, out: Path) -> None:
+    """Write the float32 epoch checkpoint `checkpoint` to `out` as speculators' checkpointer writes
+    one: `model.safetensors` in bf16 (format metadata as `save_pretrained` gives it) and `config.json`
+    with its dtype patched to match."""
+    from safetensors.torch import load_file, save_file
+
+    weights = checkpointer_module.convert_float_dtype(load_file(checkpoint / "model.safetensors"), torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    shutil.copyfile(checkpoint / "config.json", out / "config.json")
+    checkpointer_module.patch_config_dtype(out / "config.json", torch.bfloat16)

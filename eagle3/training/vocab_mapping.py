@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-
-import pyarrow.parquet as pq
-import torch
-from safetensors.torch import load_file, save_file
-from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+from typing import TYPE_CHECKING
 
 from eagle3.config import ConfigError, VocabConfig
 from eagle3.data.prepare_dataset import DatasetManifest
 from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.manifests import ArtifactManifest, Provenance
+
+if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, these only where a step runs
+    import torch
 
 __all__ = ["VocabManifest", "build_vocab_mapping", "load_vocab_mapping"]
 
@@ -48,6 +47,10 @@ def build_vocab_mapping(
     Raises:
         ConfigError: draft_vocab_size exceeds the verifier's vocabulary.
     """
+    import pyarrow.parquet as pq
+    from safetensors.torch import save_file
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
     clock = Stopwatch()
     if cfg.draft_vocab_size > verifier_vocab_size:
         raise ConfigError(
@@ -84,5 +87,7 @@ def build_vocab_mapping(
 
 def load_vocab_mapping(manifest: VocabManifest) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) tensors of a vocab-mapping artifact."""
+    from safetensors.torch import load_file
+
     tensors = load_file(Path(manifest.path) / FILE)
     return tensors["d2t"], tensors["t2d"]

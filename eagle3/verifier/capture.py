@@ -4,7 +4,10 @@ online training and decoding with a draft all read them through this one class."
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, torch only where a step runs
+    import torch
 
 __all__ = ["HiddenStateCapture"]
 
@@ -38,6 +41,8 @@ class HiddenStateCapture:
 
     def stacked(self) -> torch.Tensor:
         # Layers split over devices leave each slot where its layer ran: gather them where the last ran.
+        import torch
+
         last = self.states[max(self.states)]
         return torch.stack([self.states[s].to(last.device) for s in sorted(self.states)], dim=2)  # [batch, seq, 4, H]
 

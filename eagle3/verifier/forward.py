@@ -236,8 +236,9 @@ def forward_for(model, capture: HiddenStateCapture | None, max_len: int, probe: 
     """The fastest forward that decodes `model` exactly. On a GPU: `StaticForward` with CUDA graphs,
     for a full-attention verifier that decodes `probe` (a prompt) as transformers' own cache does.
     Otherwise `DynamicForward` (on a CPU, fixed buffers would only add attention over empty
-    positions). `max_len`: the longest sequence it will hold."""
-    if next(model.parameters()).device.type == "cuda" and full_attention_only(text_config(model.config)):
+    positions; layers spread over several devices run through accelerate's hooks). `max_len`: the longest sequence it will hold."""
+    spread = len(set(getattr(model, "hf_device_map", {}).values())) > 1  # accelerate's hooks move weights and inputs: not capturable
+    if next(model.parameters()).device.type == "cuda" and full_attention_only(text_config(model.config)) and not spread:
         forward = StaticForward(model, capture, max(max_len, len(probe) + PROBE_TOKENS))
         if decodes_like_dynamic(forward, probe):
             return forward

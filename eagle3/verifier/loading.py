@@ -6,12 +6,16 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from eagle3.store.artifacts import ArtifactError
 
-__all__ = ["chat_prompt_ids", "eos_token_ids", "load_text_model", "load_tokenizer", "read_config", "text_config"]
+if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, these only where a step runs
+    import torch
+
+__all__ = [
+    "chat_prompt_ids", "eos_token_ids", "load_text_model", "load_tokenizer", "read_config", "text_config", "text_model_class",
+]
 
 
 def read_config(path: Path):
@@ -27,6 +31,14 @@ def read_config(path: Path):
 def text_config(config):
     """The decoder config of a verifier: `text_config` for nested multimodal models, else itself."""
     return getattr(config, "text_config", None) or config
+
+
+def text_model_class(config):
+    """The transformers auto class that loads a verifier for text: `AutoModelForCausalLM`, or for a
+    nested multimodal config `AutoModelForImageTextToText` (whose text part has no `*ForCausalLM` of its own)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForCausalLM if text_config(config) is config else AutoModelForImageTextToText
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
@@ -61,6 +73,7 @@ def _quantization_loading(auto, config) -> dict:
     `text_config`). compressed-tensors weights are dequantized once at load, so every forward (CUDA
     graphs, the decoder run alone) sees plain weights; of a nested checkpoint only the text
     decoder's and head's, the parts that run."""
+    import torch
     from transformers import CompressedTensorsConfig
 
     quantization = getattr(config, "quantization_config", None) or getattr(text_config(config), "quantization_config", None)
@@ -82,6 +95,8 @@ def _cast_dequantized(model, dtype: torch.dtype) -> None:
     checkpoint's deserialized tensors in their own dtype, so dequantized weights come out in their
     scales'. Buffers (rotary frequencies, routers' score biases) and the modules the model keeps in
     float32 (`_keep_in_fp32_modules*`, matched as transformers matches them) stay as loaded."""
+    import torch
+
     kept = set(model._keep_in_fp32_modules_strict or ()) if dtype in (torch.float16, torch.bfloat16) else set()
     kept |= set(model._keep_in_fp32_modules or ()) if dtype == torch.float16 else set()
     in_float32 = re.compile("|".join(name.replace("*", ".*") for name in kept)) if kept else None
@@ -90,7 +105,7 @@ def _cast_dequantized(model, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
-def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
+def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device, device_map: dict[str, int | str] | None = None):
     """The verifier as transformers loads it for text: a `*ForCausalLM`, or for a nested multimodal
     checkpoint its `*ForConditionalGeneration` (text-only inputs never reach the vision tower, a small
     share of the weights). transformers' own loading applies every checkpoint conversion it knows (a
@@ -100,22 +115,25 @@ def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
     A quantized checkpoint loads through transformers' quantizer for its `quantization_config`;
     compressed-tensors ones (llm-compressor's) are dequantized to `dtype`.
 
+    `device_map` (module name -> device, as `eagle3.verifier.placement` plans it) spreads the
+    layers over several devices instead of putting the model on `device`: accelerate's hooks then
+    move each layer's inputs to its device, and the model must not be moved afterwards.
+
     Raises:
         ArtifactError: transformers has no such model for the config, cannot load its quantization
             (a package missing), or the checkpoint lacks weights the model has (which transformers
             would leave randomly initialised).
     """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
     config = read_config(path)
-    auto = AutoModelForCausalLM if text_config(config) is config else AutoModelForImageTextToText
+    auto = text_model_class(config)
     if type(config) not in auto._model_mapping:
         raise ArtifactError(path, f"field 'model_type' is '{config.model_type}': transformers has no {auto.__name__} for it")
     try:
         loading = _quantization_loading(auto, config)
+        placed = {"device_map": device_map} if device_map is not None else {}
         with warnings.catch_warnings():  # that the checkpoint's quantization_config is kept, `dequantize` set
             warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-            model, info = auto.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True, **loading)
+            model, info = auto.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True, **loading, **placed)
     except ImportError as exc:
         if (quantization := getattr(config, "quantization_config", None)) is None:
             raise
@@ -129,5 +147,5 @@ def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device):
             "checkpoint: it is not a checkpoint of its config.json")
     if loading:
         _cast_dequantized(model, dtype)
-    return model.to(device).eval()
+    return (model if device_map is not None else model.to(device)).eval()
 

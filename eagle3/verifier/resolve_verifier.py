@@ -17,7 +17,6 @@ import re
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 
 from eagle3.config import ConfigError, VerifierConfig
@@ -95,6 +94,7 @@ def _check_hf_dir(path: Path, trust_remote_code: bool = False) -> None:
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize `gguf` into the HF directory `out`, which appears only once complete (a killed
     conversion leaves a `.partial` sibling, redone next time)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     partial = out.with_name(out.name + ".partial")

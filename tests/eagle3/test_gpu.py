@@ -13,22 +13,25 @@ from safetensors.torch import load_file
 from tiny_models import tiny_llama
 
 from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig
-from eagle3.data.prepare_dataset import load_dataset_table, prepare_dataset
-from eagle3.data.regenerate import regenerate
+from eagle3.data.prepare_dataset import load_dataset_table, prepare_dataset, read_user_turns
+from eagle3.data.regenerate import RegenerateAttempt, _transformers_attempt, regenerate
+from eagle3.evaluation.baseline import DecodingModel
 from eagle3.evaluation.draft_proposer import Eagle3Proposer
 from eagle3.evaluation.evaluate import load_draft
 from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculative_decode
-from eagle3.extraction.extract_hidden_states import extract_hidden_states
+from eagle3.extraction.extract_hidden_states import ExtractAttempt, ShardWork, _extract_attempt, extract_hidden_states
 from eagle3.extraction.shards import hidden_state_files
 from eagle3.runtime.attempts import fixed_devices
 from eagle3.serving.export import export_checkpoint
 from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.done_log import read_done
 from eagle3.store.manifests import Provenance
 from eagle3.training.train import train_draft
 from eagle3.training.vocab_mapping import build_vocab_mapping
 from eagle3.verifier.capture import HiddenStateCapture
-from eagle3.verifier.forward import StaticForward, forward_for
+from eagle3.verifier.forward import DynamicForward, StaticForward, forward_for
 from eagle3.verifier.loading import load_text_model, load_tokenizer
+from eagle3.verifier.placement import load_placed, meta_model, model_bytes
 from eagle3.verifier.resolve_verifier import resolve_verifier
 
 pytestmark = pytest.mark.gpu
@@ -171,3 +174,96 @@ def test_real_cuda_out_of_memory_backs_off_to_a_batch_that_fits(tmp_path):
     assert manifest.backoffs and all("CUDA out of memory" in b.error for b in manifest.backoffs)
     assert manifest.backoffs[0].value == 16384
     assert len(hidden_state_files(manifest)) == manifest.num_records
+
+
+@pytest.fixture(scope="module")
+def eight_layers(tmp_path_factory):
+    """A random Llama of 8 layers (hidden 256) and a prepared dataset: small, yet with layers to spread."""
+    store = ArtifactStore(tmp_path_factory.mktemp("split-store"))
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_llama(tmp_path_factory.mktemp("split") / "v", num_layers=8, hidden=256))), store)
+    dataset = prepare_dataset(DatasetConfig(max_seq_len=256, max_records=16), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
+    return verifier, dataset
+
+
+def _half_on_the_gpu(verifier) -> dict:
+    """Budgets that leave about half the verifier's layers to the CPU (accelerate offloads them: their
+    weights stream to the GPU, which runs every layer)."""
+    size = model_bytes(meta_model(verifier.path, torch.bfloat16))
+    return {0: size // 2, "cpu": 4 * size}
+
+
+def _attempt_states(verifier, dataset, root, max_memory) -> dict[str, torch.Tensor]:
+    """The shard files one extraction attempt writes in this process, on the GPU."""
+    root.mkdir()
+    shard = ShardWork(index=0, key="shard", records=list(range(dataset.num_records)))
+    spec = ExtractAttempt(dataset=dataset, verifier=verifier, aux=AUX, device="cuda", shard_root=root, todo=[shard], budget=2048,
+                          max_memory=max_memory)
+    assert _extract_attempt(spec, lambda *_: None).oom is None
+    return {p.name: load_file(p)["hidden_states"] for p in sorted((root / "shard").glob("hs_*.safetensors"))}
+
+
+def test_a_verifier_split_between_the_gpu_and_the_cpu_extracts_the_states_of_a_one_gpu_load(eight_layers, tmp_path):
+    verifier, dataset = eight_layers
+    budgets = _half_on_the_gpu(verifier)
+    model = load_placed(verifier.path, torch.bfloat16, "cuda", budgets)
+    assert set(model.hf_device_map.values()) == {0, "cpu"}  # really split
+    del model
+
+    split = _attempt_states(verifier, dataset, tmp_path / "split", budgets)
+    whole = _attempt_states(verifier, dataset, tmp_path / "whole", None)
+
+    assert sorted(split) == sorted(whole) and len(whole) == dataset.num_records
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name])
+
+
+def test_a_verifier_split_between_the_gpu_and_the_cpu_generates_what_a_one_gpu_load_generates(eight_layers, tmp_path):
+    verifier, _ = eight_layers
+    source = write_jsonl(tmp_path / "prompts.jsonl", [{"id": str(i), "prompt": f"Count to {i}."} for i in range(4)])
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=16, batch_size=2)
+
+    def answers(max_memory, log):
+        spec = RegenerateAttempt(todo=read_user_turns(source, None), cfg=cfg, verifier=verifier, device="cuda", batch_size=2,
+                                 done_log=tmp_path / log, max_memory=max_memory)
+        assert _transformers_attempt(spec, lambda *_: None) is None
+        return read_done(tmp_path / log, "record")
+
+    assert answers(_half_on_the_gpu(verifier), "split.jsonl") == answers(None, "whole.jsonl")
+
+
+def test_two_data_parallel_workers_on_one_gpu_extract_what_one_worker_extracts(eight_layers, tmp_path):
+    verifier, dataset = eight_layers
+    cfg = ExtractConfig(aux_layer_ids=AUX, device="cuda", records_per_shard=4)
+    one = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "one"), Provenance(), claim=fixed_devices(["0"]))
+
+    # Two worker processes on GPU 0: the claim names it twice.
+    two = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "two"), Provenance(), claim=fixed_devices(["0", "0"]))
+
+    assert two.digest == one.digest and two.extracted_shards == 4
+    assert set(two.gpu_memory_after_mib) == {"0"}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_verifier_split_over_two_gpus_extracts_the_states_of_a_one_gpu_load(eight_layers, tmp_path):
+    verifier, dataset = eight_layers
+    size = model_bytes(meta_model(verifier.path, torch.bfloat16))
+
+    split = _attempt_states(verifier, dataset, tmp_path / "split", {0: size // 2, 1: size})
+    whole = _attempt_states(verifier, dataset, tmp_path / "whole", None)
+
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name])
+
+
+def test_a_verifier_split_between_the_gpu_and_the_cpu_decodes_greedy_as_a_one_gpu_load(eight_layers):
+    """Baselines and evaluation decode in their own process: a spread verifier decodes on transformers'
+    dynamic cache (accelerate's hooks cannot be captured in a CUDA graph), to the same tokens."""
+    verifier, _ = eight_layers
+    prompts = [[1, 200, 300, 400, 500, 600, 700, 200, 300]]
+    split = DecodingModel.load(verifier, prompts, "cuda", "float32", _half_on_the_gpu(verifier))
+    whole = DecodingModel.load(verifier, prompts, "cuda", "float32")
+
+    with torch.inference_mode():
+        split_forward, whole_forward = split.forward(None, 24), whole.forward(None, 24)
+        assert isinstance(split_forward, DynamicForward)
+        assert greedy_decode(split_forward, prompts[0], 24, set()).tokens == greedy_decode(whole_forward, prompts[0], 24, set()).tokens

@@ -44,8 +44,9 @@ def served_setup(extraction_server, tmp_path_factory):
     return _setup(extraction_server, tmp_path_factory.mktemp("store"))
 
 
-def _served(base_url: str, **kw) -> ExtractConfig:
-    return ExtractConfig(aux_layer_ids=AUX, records_per_shard=5, backend="vllm", endpoint=EndpointConfig(base_url=base_url, model=SERVED_NAME, **kw))
+def _served(base_url: str, storage, **kw) -> ExtractConfig:
+    return ExtractConfig(aux_layer_ids=AUX, records_per_shard=5, backend="vllm", served_states_dir=str(storage),
+                         endpoint=EndpointConfig(base_url=base_url, model=SERVED_NAME, **kw))
 
 
 @pytest.mark.vllm
@@ -54,7 +55,7 @@ def test_served_states_equal_the_in_process_ones_and_are_cached_apart(server, re
     store, verifier, dataset, base_url, served_files = _setup(request.getfixturevalue(server), tmp_path / "store")
 
     local = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, records_per_shard=5), dataset, verifier, store, Provenance(config={"run": "local"}))
-    served = extract_hidden_states(_served(base_url, concurrency=3), dataset, verifier, store, Provenance(config={"run": "served"}))
+    served = extract_hidden_states(_served(base_url, served_files, concurrency=3), dataset, verifier, store, Provenance(config={"run": "served"}))
 
     assert (served.num_records, served.extracted_shards, len(served.shards)) == (10, 2, 2)  # 2 of 12 records had no answer left
     assert {s["key"] for s in served.shards}.isdisjoint(s["key"] for s in local.shards)  # a server's rounding is not the step's
@@ -71,14 +72,14 @@ def test_served_states_equal_the_in_process_ones_and_are_cached_apart(server, re
 
 @pytest.mark.vllm
 def test_a_rerun_asks_the_server_only_for_shards_not_yet_extracted(served_setup, tmp_path):
-    _, verifier, dataset, base_url, _ = served_setup
+    _, verifier, dataset, base_url, storage = served_setup
     store = ArtifactStore(tmp_path / "store")
-    first = extract_hidden_states(_served(base_url), dataset, verifier, store, Provenance(config={"run": 1}))
+    first = extract_hidden_states(_served(base_url, storage), dataset, verifier, store, Provenance(config={"run": 1}))
     second = store.root / "shards" / first.shards[1]["key"]
     (second / "done.json").unlink()
     second.rename(second.with_name(second.name + ".partial"))  # as a run killed before its last shard was checked
 
-    again = extract_hidden_states(_served(base_url), dataset, verifier, store, Provenance(config={"run": 2}))
+    again = extract_hidden_states(_served(base_url, storage), dataset, verifier, store, Provenance(config={"run": 2}))
 
     assert (first.extracted_shards, again.extracted_shards, again.reused_shards) == (2, 1, 1)
     assert [s["key"] for s in again.shards] == [s["key"] for s in first.shards]
@@ -86,7 +87,7 @@ def test_a_rerun_asks_the_server_only_for_shards_not_yet_extracted(served_setup,
 
 @pytest.mark.vllm
 def test_a_record_longer_than_the_served_context_is_named_before_any_request(served_setup, tmp_path):
-    _, verifier, _, base_url, _ = served_setup
+    _, verifier, _, base_url, storage = served_setup
     store = ArtifactStore(tmp_path / "store")
     long = prepare_dataset(DatasetConfig(max_seq_len=1024), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
     table = load_dataset_table(long)
@@ -96,15 +97,15 @@ def test_a_record_longer_than_the_served_context_is_named_before_any_request(ser
 
     with pytest.raises(ConfigError, match=rf"record '{record_id}' \(sample {first_long}, {lengths[first_long]} tokens\): "
                                           rf"the server takes {EXTRACTION_CONTEXT} tokens a request.*--max-model-len"):
-        extract_hidden_states(_served(base_url), long, verifier, store, Provenance())
+        extract_hidden_states(_served(base_url, storage), long, verifier, store, Provenance())
 
     assert list((store.root / "shards").iterdir()) == []
 
 
 @pytest.mark.vllm
 def test_a_sample_the_server_refuses_is_named_with_its_reason(served_setup):
-    _, verifier, _, base_url, _ = served_setup
-    source = ServedStates(EndpointConfig(base_url=base_url, model=SERVED_NAME), 4, verifier.hidden_size)
+    _, verifier, _, base_url, storage = served_setup
+    source = ServedStates(EndpointConfig(base_url=base_url, model=SERVED_NAME), 4, verifier.hidden_size, storage)
     written = []
 
     with pytest.raises(ConfigError, match=rf"record 'long' \(sample 7, {EXTRACTION_CONTEXT} tokens\): the server refused it: HTTP 400"):
@@ -114,11 +115,11 @@ def test_a_sample_the_server_refuses_is_named_with_its_reason(served_setup):
 
 
 @pytest.mark.vllm
-def test_a_server_that_does_not_extract_is_told_apart(served_draft):
+def test_a_server_that_does_not_extract_is_told_apart(served_draft, tmp_path):
     cfg = EndpointConfig(base_url=served_draft.base_url, model=served_draft.model)
 
     with pytest.raises(EndpointError, match=r"record 'r0': Response missing kv_transfer_params\. Is the server started with the flags of `eagle3 extraction-server`"):
-        ServedStates(cfg, 4, served_draft.verifier.hidden_size).states([5, 6, 7], "record 'r0'")
+        ServedStates(cfg, 4, served_draft.verifier.hidden_size, tmp_path).states([5, 6, 7], "record 'r0'")
 
 
 def _states_file(path, token_ids, shape=(4, 8)) -> str:
@@ -131,9 +132,9 @@ def test_a_file_of_another_layer_count_or_other_tokens_is_refused_and_removed(tm
     other_tokens = _states_file(tmp_path / "b.safetensors", [5, 6, 8])
 
     with pytest.raises(EndpointError, match=r"a\.safetensors \(record 'r0'\): field 'hidden_states' holds \(5, 8\) \(layers, H\) per token, expected \(4, 8\)"):
-        read_states(wrong_layers, [5, 6, 7], (4, 8), "record 'r0'")
+        read_states(wrong_layers, [5, 6, 7], (4, 8), "record 'r0'", tmp_path)
     with pytest.raises(EndpointError, match=r"b\.safetensors \(record 'r1'\): Token ids don't match"):
-        read_states(other_tokens, [5, 6, 7], (4, 8), "record 'r1'")
+        read_states(other_tokens, [5, 6, 7], (4, 8), "record 'r1'", tmp_path)
 
     assert list(tmp_path.iterdir()) == []
 
@@ -143,9 +144,9 @@ def test_a_file_this_host_cannot_read_names_the_path_and_the_shared_directory(tm
     torn.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
 
     with pytest.raises(EndpointError, match=r"missing\.safetensors \(record 'r0'\): FileNotFoundError.*shared_storage_path"):
-        read_states(str(tmp_path / "missing.safetensors"), [5], (4, 8), "record 'r0'")
+        read_states(str(tmp_path / "missing.safetensors"), [5], (4, 8), "record 'r0'", tmp_path)
     with pytest.raises(EndpointError, match=r"torn\.safetensors \(record 'r1'\): SafetensorError"):
-        read_states(str(torn), [5], (4, 8), "record 'r1'")
+        read_states(str(torn), [5], (4, 8), "record 'r1'", tmp_path)
 
     assert list(tmp_path.iterdir()) == []
 
@@ -156,7 +157,7 @@ def test_a_file_whose_writer_keeps_its_lock_is_waited_for_then_left_to_it(tmp_pa
     fcntl.flock(writer, fcntl.LOCK_EX)  # as the server's writer thread holds it until the file is written
     try:
         with pytest.raises(EndpointError, match=r"s\.safetensors \(record 'r0'\): the server still held .*s\.safetensors\.lock after 0\.3 s"):
-            read_states(str(path), [5, 6], (4, 8), "record 'r0'", lock_timeout_s=0.3)
+            read_states(str(path), [5, 6], (4, 8), "record 'r0'", tmp_path, lock_timeout_s=0.3)
         _states_file(path, [5, 6])  # written late, then let go
     finally:
         os.close(writer)

@@ -35,7 +35,8 @@ from eagle3.serving.export import export_checkpoint, validate_checkpoint
 from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
 from eagle3.store.manifests import Provenance
 from eagle3.training import trainer_compat
-from eagle3.training.train import DraftManifest, _speculators_data_dir, previous_draft, simulated_acceptance_length, train_draft
+from eagle3.training.epochs import simulated_acceptance_length
+from eagle3.training.train import DraftManifest, _speculators_data_dir, previous_draft, train_draft
 from eagle3.training.train_worker import OOM_EXIT, TrainSpec
 from eagle3.training.vocab_mapping import build_vocab_mapping
 from eagle3.verifier.loading import load_tokenizer
@@ -99,7 +100,7 @@ def test_training_logs_per_step_accuracies_and_simulated_tau(draft):
     last = draft.epochs[-1]
     assert [e["epoch"] for e in draft.epochs] == [0, 1, 2]
     assert last["tau_sim"] == pytest.approx(simulated_acceptance_length([last[f"cond_acc_{k}"] for k in range(3)]))
-    assert draft.tau_sim == last["tau_sim"]
+    assert draft.tau_sim == draft.epochs[draft.selected_epoch]["tau_sim"] == max(e["tau_sim"] for e in draft.epochs)
     assert draft.epochs[-1]["val_loss"] < draft.epochs[0]["val_loss"]
 
 
@@ -205,7 +206,7 @@ def test_out_of_memory_at_the_minimum_batch_fails_saying_what_was_tried(inputs, 
 def test_the_worker_process_trains_and_reports_out_of_memory_by_exit_code(inputs, tmp_path):
     """The protocol torchrun runs on GPUs, exercised on CPU: spec file in, checkpoints, metrics and
     an out-of-memory marker out."""
-    store, verifier, dataset, hidden, vocab = inputs
+    _store, verifier, dataset, hidden, vocab = inputs
     _speculators_data_dir(tmp_path, dataset, hidden)
     spec = TrainSpec(cfg=TrainConfig(epochs=1, total_seq_len=512), work=tmp_path, verifier_path=verifier.path,
                      aux_layer_ids=hidden.aux_layer_ids, hidden_size=hidden.hidden_size, vocab=vocab, total_seq_len=512, device="cpu")
@@ -250,7 +251,7 @@ def test_warm_start_from_a_draft_of_another_shape_names_the_file_and_weight(inpu
 def test_previous_draft_is_the_latest_for_this_verifier_and_shape_trained_on_other_data(inputs, draft):
     from conftest import SAMPLE
 
-    store, verifier, dataset, hidden, vocab = inputs
+    store, verifier, dataset, hidden, _vocab = inputs
     grown = prepare_dataset(DatasetConfig(max_seq_len=200), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
 
     found = previous_draft(store, TRAIN, verifier, hidden, grown)
@@ -283,8 +284,27 @@ def test_previous_draft_prefers_the_latest_draft_behind_a_promoted_checkpoint(in
     assert previous_draft(store, TRAIN, verifier, hidden, dataset).digest == served.digest
 
 
+def test_previous_draft_passes_over_an_artifact_whose_manifest_is_damaged(inputs, tmp_path, caplog):
+    from conftest import publish_text_artifact
+
+    _, verifier, dataset, hidden, _ = inputs
+    store = ArtifactStore(tmp_path)
+    draft = publish_text_artifact(
+        store, "draft", "draft", {"verifier": verifier.digest, "dataset": "1" * 64}, manifest_type=DraftManifest,
+        config={"cfg": {"num_layers": TRAIN.num_layers}}, epochs=[], num_steps=1, tau_sim=1.5,
+        aux_layer_ids=hidden.aux_layer_ids, finished_at=datetime(2026, 11, 1, tzinfo=UTC),
+    )
+    damaged = publish_text_artifact(store, "dataset", "records", {})
+    (damaged.path / "manifest.json").write_text('{"kind": "dat')  # a disk that filled mid-write
+
+    found = previous_draft(store, TRAIN, verifier, hidden, dataset)
+
+    assert found.digest == draft.digest
+    assert f"{damaged.path / 'manifest.json'}: not readable JSON" in caplog.text
+
+
 def test_export_reloads_and_names_the_serving_verifier(inputs, draft):
-    store, verifier, dataset, hidden, vocab = inputs
+    store, verifier, _dataset, hidden, vocab = inputs
 
     manifest = export_checkpoint(ExportConfig(verifier_name_or_path="org/verifier"), draft, verifier, vocab, hidden, store, Provenance())
 
@@ -297,7 +317,7 @@ def test_export_reloads_and_names_the_serving_verifier(inputs, draft):
 
 
 def test_validate_checkpoint_names_the_wrong_field(inputs, draft, tmp_path):
-    store, verifier, dataset, hidden, vocab = inputs
+    _store, verifier, _dataset, hidden, vocab = inputs
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).write_bytes((draft.path / "checkpoint" / name).read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())
@@ -306,6 +326,41 @@ def test_validate_checkpoint_names_the_wrong_field(inputs, draft, tmp_path):
 
     with pytest.raises(ArtifactError, match=r"config\.json: field 'transformer_layer_config.vocab_size' is 512, expected 1024"):
         validate_checkpoint(tmp_path, verifier, vocab, hidden)
+
+
+def test_export_refuses_hidden_states_of_other_layers_than_the_draft_was_trained_on(inputs, draft):
+    store, verifier, _, hidden, vocab = inputs
+    other_layers = hidden.model_copy(update={"aux_layer_ids": [0, 1, 2]})
+
+    with pytest.raises(ArtifactError, match=r"config\.json: field 'eagle_aux_hidden_state_layer_ids' is \[1, 2, 3\], but the hidden "
+                                            r"states .* were captured at layers \[0, 1, 2\]: a server would feed the draft other layers"):
+        export_checkpoint(ExportConfig(), draft, verifier, vocab, other_layers, store, Provenance(config={"run": "other layers"}))
+
+
+def test_a_checkpoint_without_aux_layer_ids_is_refused_since_vllm_would_use_its_defaults(inputs, draft, tmp_path):
+    _, verifier, _, hidden, vocab = inputs
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((draft.path / "checkpoint" / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["eagle_aux_hidden_state_layer_ids"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    with pytest.raises(ArtifactError, match=r"field 'eagle_aux_hidden_state_layer_ids' is None, .* feed the draft its default layers"):
+        validate_checkpoint(tmp_path, verifier, vocab, hidden)
+
+
+def test_warm_start_from_a_draft_of_other_aux_layers_names_the_field_and_the_fix(inputs, draft, tmp_path):
+    store, verifier, dataset, hidden, vocab = inputs
+    (tmp_path / "checkpoint").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "checkpoint" / name).write_bytes((draft.path / "checkpoint" / name).read_bytes())
+    config = json.loads((tmp_path / "checkpoint" / "config.json").read_text())
+    (tmp_path / "checkpoint" / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}))
+    other_layers = draft.model_copy(update={"path": tmp_path})
+
+    with pytest.raises(ArtifactError, match=r"checkpoint/config\.json: field 'eagle_aux_hidden_state_layer_ids' is \[0, 1, 2\]: .* this one "
+                                            r"reads \[1, 2, 3\].*train\.init_from=scratch, or extract\.aux_layer_ids=\[0, 1, 2\]"):
+        train_draft(TRAIN, dataset, hidden, vocab, verifier, store, Provenance(config={"run": "other layers"}), init=other_layers)
 
 
 def test_cpu_adaptation_is_undone_on_exit():

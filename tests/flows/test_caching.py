@@ -306,6 +306,7 @@ def test_a_draft_trains_on_a_vllm_servers_states_and_where_the_server_is_stays_o
         return config.model_validate(config.model_dump() | {
             "dataset": config.dataset.model_dump() | {"max_seq_len": EXTRACTION_CONTEXT - 1},
             "extract": {"aux_layer_ids": EXTRACTED_AUX, "records_per_shard": 16, "backend": "vllm",
+                        "served_states_dir": str(extraction_server.storage),
                         "endpoint": {"base_url": base_url, "model": SERVED_NAME, "concurrency": concurrency}},
         })
     before = _served_requests(extraction_server.base_url)

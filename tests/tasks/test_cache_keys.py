@@ -21,6 +21,7 @@ import pytest
 from eagle3.config import (
     DatasetConfig,
     EndpointConfig,
+    EngineConfig,
     EvalConfig,
     ExportConfig,
     ExtractConfig,
@@ -30,13 +31,23 @@ from eagle3.config import (
     VocabConfig,
 )
 from eagle3.extraction.shards import shard_key
+from eagle3.extraction.vllm_engine import ENGINE_ROUTE
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.manifests import ArtifactManifest
-from eagle3.store.versions import STEPS
+from eagle3.store.versions import STEPS, engine_versions
 
 PINS = Path(__file__).resolve().parents[1] / "pinned" / "cache_keys.json"
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARIES = sorted({package for code in STEPS.values() for package in code.libraries})
+# vLLM's engine in this checkout's .venv-vllm (./setup-vllm.sh), named: the relocated copy below has none beside it
+ENGINE = ExtractConfig(backend="vllm-engine", engine=EngineConfig(python=str(ROOT / ".venv-vllm" / "bin" / "python")))
+
+
+def installed_libraries() -> dict[str, str]:
+    """The releases the pinned keys were computed with: this environment's, and the vLLM environment's
+    (marked), where the engine route's states are computed."""
+    engine = engine_versions(ENGINE_ROUTE, ENGINE.engine.python)
+    return {package: version(package) for package in LIBRARIES} | {f"{dist} (vLLM environment)": v for dist, v in engine.items()}
 
 
 def current_keys(root: Path) -> dict[str, str]:
@@ -47,7 +58,7 @@ def current_keys(root: Path) -> dict[str, str]:
     from tasks.extract import extract_hidden_states_task
     from tasks.prepare import prepare_dataset_task
     from tasks.regenerate import regenerate_task
-    from tasks.train import train_draft_task
+    from tasks.train import online_states_task, train_draft_task
     from tasks.verifier import resolve_verifier_task
     from tasks.vocab import build_vocab_mapping_task
 
@@ -59,8 +70,9 @@ def current_keys(root: Path) -> dict[str, str]:
     def artifact(kind: str, n: int) -> ArtifactManifest:
         return ArtifactManifest(kind=kind, digest=f"{n:064x}", path=root)
 
-    verifier, dataset, hidden, vocab, draft, checkpoint, baselines = (
-        artifact(kind, n) for n, kind in enumerate(["verifier", "dataset", "hidden_states", "vocab_mapping", "draft", "checkpoint", "baseline"])
+    verifier, dataset, hidden, vocab, draft, checkpoint, baselines, online = (
+        artifact(kind, n) for n, kind in enumerate(["verifier", "dataset", "hidden_states", "vocab_mapping", "draft", "checkpoint", "baseline",
+                                                    "online_states"])
     )
     cpu_eval = EvalConfig(device="cpu")
     cases = {
@@ -72,9 +84,13 @@ def current_keys(root: Path) -> dict[str, str]:
         "hidden_states": (extract_hidden_states_task, {"cfg": ExtractConfig(), "dataset": dataset, "verifier": verifier}),
         "hidden_states/vllm": (
             extract_hidden_states_task, {"cfg": ExtractConfig(backend="vllm", endpoint=served), "dataset": dataset, "verifier": verifier}),
+        "hidden_states/vllm-engine": (extract_hidden_states_task, {"cfg": ENGINE, "dataset": dataset, "verifier": verifier}),
+        "hidden_states/online": (online_states_task, {"cfg": ExtractConfig(), "dataset": dataset, "verifier": verifier}),
         "vocab_mapping": (build_vocab_mapping_task, {"cfg": VocabConfig(), "dataset": dataset, "verifier": verifier}),
         "draft": (train_draft_task, {"cfg": TrainConfig(device="cpu"), "dataset": dataset, "hidden_states": hidden, "vocab": vocab,
                                      "verifier": verifier, "init": None}),
+        "draft/online": (train_draft_task, {"cfg": TrainConfig(device="cpu"), "dataset": dataset, "hidden_states": online, "vocab": vocab,
+                                            "verifier": verifier, "init": None}),
         "checkpoint": (export_checkpoint_task, {"cfg": ExportConfig(), "draft": draft, "verifier": verifier, "vocab": vocab,
                                                 "hidden_states": hidden}),
         "baseline": (measure_baselines_task, {"cfg": cpu_eval, "verifier": verifier, "prompts": source}),
@@ -84,17 +100,19 @@ def current_keys(root: Path) -> dict[str, str]:
                                             "hidden_states": hidden, "verifier": verifier, "prompts": source, "baselines": None}),
     }
     keys = {name: task.cache_policy.provenance(store, **inputs).key for name, (task, inputs) in cases.items()}
-    for name, cfg in {"shard": ExtractConfig(), "shard/vllm": ExtractConfig(backend="vllm", endpoint=served)}.items():
+    shard_routes = {"shard": ExtractConfig(), "shard/vllm": ExtractConfig(backend="vllm", endpoint=served), "shard/vllm-engine": ENGINE,
+                    "shard/fp8": ExtractConfig(storage="fp8")}
+    for name, cfg in shard_routes.items():
         keys[name] = shard_key(cfg, verifier, [1, 2, 3], [[1, 2, 3], [4, 5]])
     return keys
 
 
 def test_every_step_and_route_has_a_pinned_key():
-    assert set(json.loads(PINS.read_text())["keys"]) == {*STEPS, "shard", "shard/vllm"}
+    assert set(json.loads(PINS.read_text())["keys"]) == {*STEPS, "shard", "shard/vllm", "shard/vllm-engine", "shard/fp8"}
 
 
 def test_cache_keys_are_those_pinned(tmp_path):
-    libraries = {package: version(package) for package in LIBRARIES}
+    libraries = installed_libraries()
     keys = current_keys(tmp_path)
     if os.environ.get("EAGLE3_REPIN"):
         PINS.write_text(json.dumps({"libraries": libraries, "keys": keys}, indent=2) + "\n")

@@ -1,0 +1,135 @@
+"""`eagle3 plan` from real verifiers' config.json files (tests/fixtures/configs): sizes, GPUs per step,
+routes, hidden-state bytes against the store's disk, time estimates from measured throughput, and the
+flow's refusal of a verifier that cannot fit its claimed GPUs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eagle3.cli import main
+from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, VerifierConfig, load_config
+from eagle3.data.prepare_dataset import prepare_dataset
+from eagle3.extraction.extract_hidden_states import extract_hidden_states, extraction_provenance
+from eagle3.plan import check_verifier_fits, make_plan
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.manifests import Provenance
+from eagle3.verifier.loading import load_tokenizer
+from eagle3.verifier.resolve_verifier import resolve_verifier
+
+CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+KIMI = CONFIGS / "kimi-k2.5"
+LLAMA_8B = CONFIGS / "llama-3.1-8b-instruct"
+ON_8_H200 = ["verifier.num_gpus=8", "verifier.gpu_memory_gib=139.8"]
+SERVED = ["extract.backend=vllm", "extract.endpoint.model=kimi", "evaluate.backend=vllm", "evaluate.endpoint.model=kimi"]
+
+
+@pytest.fixture
+def needs_kimi():
+    pytest.importorskip("transformers.models.kimi_k25", reason="this transformers has no Kimi-K2.5 model")
+
+
+def plan_of(tmp_path, verifier: Path, *overrides: str, costs: bool = True):
+    return make_plan(load_config(None, [f"verifier.path={verifier}", f"store_dir={tmp_path / 'store'}", *overrides]), costs)
+
+
+def test_kimi_k25_counts_its_int4_experts_as_stored_for_vllm_and_as_bfloat16_for_transformers(tmp_path, needs_kimi):
+    plan = plan_of(tmp_path, KIMI, *ON_8_H200, costs=False)
+
+    assert plan.num_parameters == 1_026_879_353_328
+    assert round(plan.bytes_bf16 / 1e9, 1) == 2053.8
+    assert (plan.bytes_stored, plan.stored_from) == (595_148_192_736, "model.safetensors.index.json")
+    assert plan.quantization == "compressed-tensors, pack-quantized, int4"
+    assert (plan.gpus_needed_bf16, plan.gpus_needed_as_stored) == (21, 5)
+    assert plan.hidden_state_bytes_per_token == 4 * 7168 * 2
+
+
+def test_kimi_k25_extracting_in_the_step_on_8_h200s_does_not_fit(tmp_path, needs_kimi):
+    plan = plan_of(tmp_path, KIMI, *ON_8_H200, costs=False)
+
+    extract = next(step for step in plan.steps if step.step == "extract")
+    assert not plan.fits and not extract.fits
+    assert extract.how == "needs 21 GPU(s), 8 claimed (verifier.num_gpus)"
+
+
+def test_kimi_k25_fits_8_h200s_when_its_steps_run_on_vllm_servers(tmp_path, needs_kimi):
+    plan = plan_of(tmp_path, KIMI, *ON_8_H200, *SERVED, costs=False)
+
+    assert plan.fits
+    routes = {step.step: step.route for step in plan.steps}
+    assert routes["extract"].startswith("vLLM server") and routes["evaluate"].startswith("vLLM server")
+
+
+def test_without_a_gpu_the_plan_gives_the_gpus_needed_on_h100s_and_h200s(tmp_path, needs_kimi):
+    plan = plan_of(tmp_path, KIMI, costs=False)
+
+    assert plan.gpu_memory_bytes is None
+    assert plan.reference == {"H100 80GB": (31, 8), "H200 141GB": (21, 5)}
+
+
+def test_llama_8b_on_two_gpus_regenerates_and_extracts_data_parallel_and_evaluates_on_one(tmp_path):
+    plan = plan_of(tmp_path, LLAMA_8B, "verifier.num_gpus=2", "verifier.gpu_memory_gib=79.2", "regenerate.enabled=true", costs=False)
+
+    how = {step.step: step.how for step in plan.steps}
+    assert how["regenerate"] == how["extract"] == "data parallel: a replica on each of 2 GPUs"
+    assert how["evaluate"] == "on one GPU"  # it claims one
+    assert plan.num_parameters == 8_030_261_248 and plan.gpus_needed_bf16 == 1
+
+
+def test_the_dataset_s_hidden_states_are_sized_against_the_store_s_free_disk(tmp_path):
+    plan = plan_of(tmp_path, LLAMA_8B, "dataset.max_records=10")
+
+    assert plan.dataset_records == 10 and plan.dataset_tokens > 0
+    assert plan.tokens_from == "estimated at 4 characters a token: no tokenizer here"
+    assert 0 < plan.store_free_bytes <= shutil.disk_usage(tmp_path).total
+    text = plan.render()
+    assert f"{plan.dataset_tokens * 32_768 / 1e9:,.1f} GB" in text and "free: fits" in text
+
+
+def test_a_measured_extraction_in_the_store_gives_the_extraction_time(tiny_verifier, tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)  # memoises the verifier's digest
+    dataset = prepare_dataset(DatasetConfig(max_seq_len=128, max_records=8), Path(__file__).parents[2] / "eagle3/data/sample_conversations.jsonl",
+                              load_tokenizer(verifier.path), store, Provenance())
+    cfg = ExtractConfig(aux_layer_ids=[1, 2, 3])
+    hidden = extract_hidden_states(cfg, dataset, verifier, store, extraction_provenance(store, cfg, dataset, verifier))
+
+    plan = plan_of(tmp_path, tiny_verifier, "dataset.max_seq_len=128", "dataset.max_records=8")
+
+    rate = hidden.num_tokens / hidden.seconds
+    assert plan.tokens_from == "tokenized"
+    assert plan.estimates == [f"extract     {plan.dataset_tokens / rate / 3600:,.1f} h at {rate:,.0f} tok/s (artifact {hidden.digest[:12]})"]
+
+
+def test_a_run_whose_verifier_cannot_fit_its_gpus_fails_before_loading_with_the_plan(tmp_path, needs_kimi):
+    config = load_config(None, [f"verifier.path={KIMI}", f"store_dir={tmp_path / 'store'}", *ON_8_H200, "extract.device=cuda",
+                                "evaluate.backend=vllm", "evaluate.endpoint.model=kimi"])
+
+    with pytest.raises(ConfigError, match=r"(?s)does not fit the GPUs its steps claim: extract \(needs 21 GPU\(s\), 8 claimed.*hidden states"):
+        check_verifier_fits(config)
+
+
+def test_the_flow_checks_the_fit_before_its_first_step(tmp_path, needs_kimi):
+    """The verifier directory holds only config.json: any step would fail on it, so the error is the check's."""
+    from flows.train_draft import train_eagle3_draft
+
+    config = load_config(None, [f"verifier.path={KIMI}", f"store_dir={tmp_path / 'store'}", *ON_8_H200, "extract.device=cuda"])
+
+    with pytest.raises(ConfigError, match=r"does not fit the GPUs its steps claim"):
+        train_eagle3_draft.fn(config)
+
+
+def test_a_run_on_servers_only_is_not_checked_against_gpus(tmp_path, needs_kimi):
+    config = load_config(None, [f"verifier.path={KIMI}", f"store_dir={tmp_path / 'store'}", *ON_8_H200, *SERVED])
+
+    check_verifier_fits(config)
+
+
+def test_eagle3_plan_prints_the_plan_and_exits_1_when_a_step_does_not_fit(tmp_path, capsys, needs_kimi):
+    code = main(["plan", f"verifier.path={KIMI}", f"store_dir={tmp_path / 'store'}", *ON_8_H200])
+
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "595.1 GB (554.3 GiB) (model.safetensors.index.json)" in out and "DOES NOT FIT: needs 21 GPU(s), 8 claimed" in out

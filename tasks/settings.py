@@ -30,21 +30,40 @@ EXIT_DEADLINE_S = 8.0  # after SIGTERM; a run must be gone within 10 s however t
 def exit_cleanly_on_sigterm() -> None:
     """SIGTERM (`kill`, `timeout`, a scheduler) exits through Python's shutdown, which runs the
     atexit hooks: Prefect's workers send their last logs, then the temporary server stops. Python's
-    default action skips them. During a flow Prefect marks the run crashed, then re-sends the signal
-    to the handler it found, this one. Whatever still holds the exit up past `EXIT_DEADLINE_S` (a
-    worker thread finishing a request, a second SIGTERM) ends the process at once; its children
-    (the temporary server, a step's child process) get SIGTERM from the kernel as it dies."""
+    default action skips them. During a flow Prefect's own handler marks the run crashed by raising
+    in the main thread, then re-sends the signal to the handler it found, this one.
+
+    That exception can be lost: raised while the main thread runs a finalizer (`__del__`), Python
+    prints "Exception ignored" and the run goes on. So the deadline does not wait for a handler: the
+    signal's arrival is read from the interpreter's wakeup fd by a thread of its own, which ends
+    the process `EXIT_DEADLINE_S` later whatever the main thread does, and at once on a second
+    SIGTERM. Children (the temporary server, a step's child process) get SIGTERM from the kernel as
+    it dies. Call from the main thread, before the flow starts."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=_exit_deadline, args=(read,), name="eagle3-sigterm-watch", daemon=True).start()
 
 
 def _exit_on_sigterm(signum, frame) -> None:
-    code = 128 + signum
-    if any(t.name == "eagle3-exit-deadline" for t in threading.enumerate()):
-        os._exit(code)  # the second SIGTERM: no more waiting
-    deadline = threading.Timer(EXIT_DEADLINE_S, os._exit, args=(code,))
-    deadline.name, deadline.daemon = "eagle3-exit-deadline", True
-    deadline.start()
-    sys.exit(code)
+    sys.exit(128 + signum)
+
+
+def _exit_deadline(wakeup: int) -> None:
+    """Started by the first SIGTERM that reaches the process, ends it `EXIT_DEADLINE_S` later; a
+    second ends it at once."""
+    code = 128 + signal.SIGTERM
+    deadline: threading.Timer | None = None
+    while True:
+        for signum in os.read(wakeup, 64):  # one byte per signal that arrived, its number
+            if signum != signal.SIGTERM:
+                continue
+            if deadline is not None:
+                os._exit(code)
+            deadline = threading.Timer(EXIT_DEADLINE_S, os._exit, args=(code,))
+            deadline.daemon = True
+            deadline.start()
 
 
 class _WithoutTraceback(logging.Formatter):

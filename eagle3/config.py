@@ -463,6 +463,13 @@ class PipelineConfig(BaseModel):
     export: ExportConfig = ExportConfig()
     evaluate: EvalConfig = EvalConfig()
     promotion: PromotionConfig = PromotionConfig()
+    stop_after: Literal["dataset", "hidden_states", "checkpoint"] | None = Field(
+        None,
+        description="End the run once this step's artifact is published (every earlier step cached as usual), for a verifier "
+        "that needs a host's GPUs for one stage at a time: e.g. stop_after=dataset while a vLLM server writes the answers, "
+        "then stop_after=checkpoint once it is down, then a run to the end with the draft served. None: every step.",
+        json_schema_extra=_NO_KEY,
+    )
 
     @model_validator(mode="after")
     def _online_states_from_the_step(self) -> PipelineConfig:

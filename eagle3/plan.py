@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field
 
 from eagle3.config import ConfigError, PipelineConfig
 from eagle3.data.prepare_dataset import dataset_source, read_conversations, read_user_turns
+from eagle3.extraction.storage import bytes_per_token, per_token_arithmetic
 from eagle3.runtime.devices import device_type, host_gpu_ids
 from eagle3.store.artifacts import digest_tree
 from eagle3.verifier import placement
@@ -38,7 +39,6 @@ __all__ = ["Plan", "StepPlan", "check_verifier_fits", "make_plan"]
 
 GB = 1e9
 GIB = placement.GIB
-SLOTS = 4  # 3 aux layers and the final pre-norm state
 TOKEN_SAMPLE = 256  # records tokenized to estimate a large dataset's tokens
 REFERENCE_GPUS = {"H100 80GB": 79.2, "H200 141GB": 139.8}  # GiB as torch reports them: planned for when no GPU is known
 
@@ -72,6 +72,7 @@ class Plan(BaseModel):
     )
     steps: list[StepPlan]
     hidden_state_bytes_per_token: int
+    hidden_state_storage: str = Field("bf16", description="extract.storage; 'online' where training computes the states and stores none")
     dataset_records: int | None = None
     dataset_tokens: int | None = None
     tokens_from: str = ""
@@ -111,8 +112,11 @@ class Plan(BaseModel):
             verdict = "" if step.fits else "DOES NOT FIT: "
             lines.append(f"  {step.step:<11} {step.route}" + (f": {verdict}{step.how}" if step.how else ""))
         lines.append("hidden states")
-        lines.append(f"  per token   {self.hidden_state_bytes_per_token:,} B ({SLOTS} slots x {self.hidden_size} x 2 B, bfloat16)")
-        if self.dataset_tokens is not None:
+        if self.hidden_state_storage == "online":
+            lines.append("  none stored (train.hidden_states=online): the verifier computes them in training, every epoch")
+        else:
+            lines.append(f"  size        {per_token_arithmetic(self.hidden_size, self.hidden_state_storage)}")
+        if self.dataset_tokens is not None and self.hidden_state_storage != "online":
             total = self.dataset_tokens * self.hidden_state_bytes_per_token
             lines.append(f"  dataset     {self.dataset_records:,} records, {self.dataset_tokens:,} tokens ({self.tokens_from}): {_size(total)}")
             if self.store_free_bytes is not None:
@@ -364,7 +368,8 @@ def make_plan(config: PipelineConfig, costs: bool = True) -> Plan:
         hidden_size=text_config(hf_config).hidden_size, bytes_bf16=placement.model_bytes(model), bytes_stored=stored,
         stored_from=stored_from, quantization=_quantization(hf_config), gpu_memory_bytes=memory, gpu_memory_from=memory_from,
         gpu_memory_fraction=fraction, num_gpus=config.verifier.num_gpus, steps=_steps(config, sizes, budget, stored),
-        hidden_state_bytes_per_token=SLOTS * text_config(hf_config).hidden_size * 2, store_dir=config.store_dir,
+        hidden_state_bytes_per_token=bytes_per_token(text_config(hf_config).hidden_size, config.extract.storage),
+        hidden_state_storage="online" if config.train.hidden_states == "online" else config.extract.storage, store_dir=config.store_dir,
     )
     if budget is not None:
         plan.gpus_needed_bf16 = sizes.gpus(torch.bfloat16, budget)

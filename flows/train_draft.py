@@ -34,10 +34,14 @@ from tasks.vocab import build_vocab_mapping_task
 
 
 class PipelineResult(BaseModel):
-    checkpoint: ExportManifest
-    evaluation: EvalManifest
-    promotion: PromotionRecord
+    """What a run published; `checkpoint`, `evaluation` and `promotion` are None where it stopped
+    before them (`config.stop_after`)."""
+
     lineage: RunLineage
+    stopped_after: str | None = None
+    checkpoint: ExportManifest | None = None
+    evaluation: EvalManifest | None = None
+    promotion: PromotionRecord | None = None
 
 
 @flow(name="train-eagle3-draft", persist_result=False)  # its result is the steps' manifests, stored by them as JSON
@@ -48,27 +52,37 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
     check_preflight(config)  # bad paths and files, a full or read-only store, a pinned-off trust_remote_code
     check_verifier_fits(config)  # a verifier too large for its claimed GPUs fails here, before any load
     with store_in_use(ArtifactStore(store)):  # `eagle3 artifacts gc` refuses to run meanwhile
+        regenerated = baselines = hidden_states = vocab = draft = checkpoint = evaluation = None
+
+        def lineage() -> RunLineage:
+            produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, baselines, evaluation]
+            return publish_lineage_task(store, [m for m in produced if m is not None], config)
+
         verifier = resolve_verifier_task(store, config.verifier, verifier_source(config.verifier))
-        prompts, baselines = eval_prompts_source(config.evaluate), None
-        if config.evaluate.backend == "transformers":  # first: a bad prompts file fails before any training
+        prompts = eval_prompts_source(config.evaluate)
+        if config.evaluate.backend == "transformers" and config.stop_after is None:  # first: they need no draft
             baselines = measure_baselines_task(store, config.evaluate, verifier, prompts, config.verifier)
-        source, regenerated = dataset_source(config.dataset), None
+        source = dataset_source(config.dataset)
         if config.regenerate.enabled:
             regenerated = regenerate_task(store, config.regenerate, source, verifier, config.verifier)
             source = regenerated_conversations(regenerated)
         dataset = prepare_dataset_task(store, config.dataset, source, verifier)
+        if config.stop_after == "dataset":
+            return PipelineResult(lineage=lineage(), stopped_after="dataset")
         if config.train.hidden_states == "online":  # computed while the draft trains: none stored
             hidden_states = online_states_task(store, config.extract, dataset, verifier)
         else:
             hidden_states = extract_hidden_states_task(store, config.extract, dataset, verifier, config.verifier)
+        if config.stop_after == "hidden_states":
+            return PipelineResult(lineage=lineage(), stopped_after="hidden_states")
         vocab = build_vocab_mapping_task(store, config.vocab, dataset, verifier)
         init = None
         if config.train.init_from == "previous":
             init = previous_draft_task(store, config.train, verifier, hidden_states, dataset)
         draft = train_draft_task(store, config.train, dataset, hidden_states, vocab, verifier, init)
         checkpoint = export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
+        if config.stop_after == "checkpoint":
+            return PipelineResult(lineage=lineage(), stopped_after="checkpoint", checkpoint=checkpoint)
         evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, prompts, baselines, config.verifier)
         promotion = promote_task(store, config.promotion, evaluation)
-        produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, baselines, evaluation]
-        lineage = publish_lineage_task(store, [m for m in produced if m is not None], config)
-    return PipelineResult(checkpoint=checkpoint, evaluation=evaluation, promotion=promotion, lineage=lineage)
+        return PipelineResult(lineage=lineage(), checkpoint=checkpoint, evaluation=evaluation, promotion=promotion)

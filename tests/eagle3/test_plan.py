@@ -133,3 +133,21 @@ def test_eagle3_plan_prints_the_plan_and_exits_1_when_a_step_does_not_fit(tmp_pa
     out = capsys.readouterr().out
     assert code == 1
     assert "595.1 GB (554.3 GiB) (model.safetensors.index.json)" in out and "DOES NOT FIT: needs 21 GPU(s), 8 claimed" in out
+
+
+def test_the_shipped_kimi_recipe_fits_8_h200s_with_half_the_bytes_in_fp8(tmp_path, needs_kimi):
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "kimi-k2.5-one-host.yaml"
+    config = load_config(recipe, [f"verifier.path={KIMI}", "verifier.gpu_memory_gib=139.8", f"store_dir={tmp_path / 'store'}"])
+
+    plan = make_plan(config, costs=False)
+
+    assert plan.fits
+    assert plan.hidden_state_bytes_per_token == 4 * 7168 + 4  # e4m3 values and one float32 scale a token
+    assert "28,676 B a token (4 slots x 7168 x 1 B + a 4 B scale, fp8)" in plan.render()
+
+
+def test_online_training_plans_no_hidden_state_bytes(tmp_path):
+    plan = plan_of(tmp_path, LLAMA_8B, "train.hidden_states=online", "verifier.gpu_memory_gib=80", costs=False)
+
+    assert "none stored (train.hidden_states=online)" in plan.render()
+    assert "  dataset     " not in plan.render()

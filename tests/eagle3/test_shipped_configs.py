@@ -12,8 +12,8 @@ from eagle3.config import PipelineConfig, field_docs, load_config
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 
-def test_the_three_example_configs_ship():
-    assert {p.name for p in CONFIGS} >= {"default.yaml", "llama-8b-one-gpu.yaml", "served-kimi.yaml"}
+def test_the_example_configs_ship():
+    assert {p.name for p in CONFIGS} >= {"default.yaml", "llama-8b-one-gpu.yaml", "kimi-k2.5-one-host.yaml", "kimi-k2.5-several-hosts.yaml"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -61,24 +61,39 @@ def _run(config: PipelineConfig):
             time.sleep(0.2)
     states = {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
     assert states.pop("publish-lineage") == "Completed"  # every run publishes its lineage
-    assert states.pop("promote") == "Completed"  # and decides promotion afresh: it depends on history
+    if config.stop_after is None:
+        assert states.pop("promote") == "Completed"  # and decides promotion afresh: it depends on history
     return state.result(), states
 
 
 @pytest.fixture
 def first_run(prefect_server, tiny_verifier, conversations, tmp_path):
+    """A first run of its own, for a test that edits its data or its store."""
     config = _config(tmp_path / "store", tiny_verifier, conversations)
     result, states = _run(config)
     assert states == dict.fromkeys(STEPS, "Completed")
     return config, result
 
 
-def test_identical_second_run_is_entirely_cached_and_says_nothing_changed(first_run):
+@pytest.fixture(scope="module")
+def shared_first_run(prefect_server, tiny_verifier, tmp_path_factory):
+    """One first run for the tests that only read it or add runs beside it: each first run costs a
+    minute on two cores. The first of them compares the promotion records, so it runs first."""
+    root = tmp_path_factory.mktemp("shared-first-run")
+    data = root / "conversations.jsonl"
+    data.write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:40]))
+    config = _config(root / "store", tiny_verifier, data)
+    result, states = _run(config)
+    assert states == dict.fromkeys(STEPS, "Completed")
+    return config, result
+
+
+def test_identical_second_run_is_entirely_cached_and_says_nothing_changed(shared_first_run):
     from eagle3.store.artifacts import ArtifactStore
     from eagle3.store.lineage import lineage, lineage_table
     from eagle3.store.promotions import read_promotions
 
-    config, first = first_run
+    config, first = shared_first_run
 
     second, states = _run(config)
 
@@ -102,6 +117,31 @@ def test_identical_second_run_is_entirely_cached_and_says_nothing_changed(first_
     assert origins["checkpoint"] == origins["draft"] == f"cached: produced by run {first.lineage.run_id}"
 
 
+def test_a_run_stopped_after_a_step_publishes_up_to_it_and_the_next_goes_on_from_there(
+    prefect_server, tiny_verifier, conversations, tmp_path
+):
+    """stop_after: a verifier that needs the host's GPUs for one stage at a time (a server writing the
+    answers, then the extraction engine, then a server with the draft) gets them stage by stage."""
+    config = _config(tmp_path / "store", tiny_verifier, conversations)
+
+    answers, states = _run(config.model_copy(update={"stop_after": "dataset"}))
+
+    assert states == {"resolve-verifier": "Completed", "prepare-dataset": "Completed"}  # no baselines: nothing to evaluate yet
+    assert (answers.stopped_after, answers.checkpoint, answers.evaluation, answers.promotion) == ("dataset", None, None, None)
+
+    drafted, states = _run(config.model_copy(update={"stop_after": "checkpoint"}))
+
+    assert states == {"resolve-verifier": "Cached", "prepare-dataset": "Cached", "extract-hidden-states": "Completed",
+                      "build-vocab-mapping": "Completed", "train-draft": "Completed", "export-checkpoint": "Completed"}
+    assert drafted.stopped_after == "checkpoint" and drafted.evaluation is None
+
+    finished, states = _run(config)
+
+    assert states == dict.fromkeys(STEPS, "Cached") | {"measure-baselines": "Completed", "evaluate": "Completed"}
+    assert finished.stopped_after is None and finished.checkpoint.digest == drafted.checkpoint.digest
+    assert finished.promotion is not None
+
+
 def _published(key: str, run_id: str):
     """The artifact with `key` that flow run `run_id` published, read back from the server."""
     from prefect.client.orchestration import get_client
@@ -113,8 +153,8 @@ def _published(key: str, run_id: str):
     return artifact
 
 
-def test_eagle3_lineage_of_a_flow_run_id_prints_the_graph_the_run_published_without_a_server(first_run):
-    config, first = first_run
+def test_eagle3_lineage_of_a_flow_run_id_prints_the_graph_the_run_published_without_a_server(shared_first_run):
+    config, first = shared_first_run
     published = _published("lineage-graph", first.lineage.run_id)
 
     no_server = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # nothing listens on port 9
@@ -130,22 +170,22 @@ def test_eagle3_lineage_of_a_flow_run_id_prints_the_graph_the_run_published_with
     assert first.lineage.changes.startswith("This run produced 7 of its 7 artifacts")
 
 
-def test_a_runs_recorded_configuration_replays_it(first_run):
+def test_a_runs_recorded_configuration_replays_it(shared_first_run):
     from eagle3.config import load_config
 
-    config, first = first_run
+    config, first = shared_first_run
 
     assert first.lineage.config_file.parent == Path(config.store_dir) / "runs"
     assert load_config(first.lineage.config_file) == config
 
 
-def test_a_run_that_trains_attaches_the_drafts_training_curves(first_run):
+def test_a_run_that_trains_attaches_the_drafts_training_curves(shared_first_run):
     import base64
 
     from eagle3.store.artifacts import ArtifactStore
     from eagle3.training.train import DraftManifest
 
-    config, first = first_run
+    config, first = shared_first_run
 
     attached = _published("training-curves", first.lineage.run_id)
 
@@ -154,8 +194,8 @@ def test_a_run_that_trains_attaches_the_drafts_training_curves(first_run):
     assert base64.b64decode(encoded) == (draft.path / draft.curves).read_bytes()
 
 
-def test_changing_only_training_hyperparameters_reruns_train_export_and_evaluation_but_not_the_baselines(first_run):
-    config, first = first_run
+def test_changing_only_training_hyperparameters_reruns_train_export_and_evaluation_but_not_the_baselines(shared_first_run):
+    config, first = shared_first_run
 
     result, states = _run(config.model_copy(update={"train": config.train.model_copy(update={"lr": 3e-4})}))
 
@@ -165,10 +205,10 @@ def test_changing_only_training_hyperparameters_reruns_train_export_and_evaluati
     assert result.lineage.changes == "This run produced 3 of its 7 artifacts: checkpoint, draft, evaluation."
 
 
-def test_changing_only_batch_knobs_file_locations_or_settings_of_an_unused_backend_reruns_nothing(first_run, tmp_path):
+def test_changing_only_batch_knobs_file_locations_or_settings_of_an_unused_backend_reruns_nothing(shared_first_run, tmp_path):
     from eagle3.evaluation.evaluate import eval_prompts_source
 
-    config, first = first_run
+    config, first = shared_first_run
     moved = tmp_path / "moved"
     shutil.copytree(config.verifier.path, moved / "verifier")
     shutil.copy(config.dataset.path, moved / "conversations.jsonl")

@@ -9,7 +9,7 @@ import pytest
 from conftest import free_port
 from fingerprints import check_pinned, fingerprint_tree
 
-from eagle3.cli import main
+from eagle3.cli import DEMO_DRAFT_NOTE, main
 from eagle3.config import VerifierConfig
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.promotions import read_promotions
@@ -59,6 +59,8 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     [decision] = read_promotions(ArtifactStore(store))
     assert decision.summary() in printed
     assert decision.promoted == decision.beats_ngram  # the first on its eval set: only n-gram lookup can hold it back
+    assert (DEMO_DRAFT_NOTE in printed) == (decision.beats_ngram is False)  # a demo draft that loses says it was expected to
+    assert (f"serve it: vllm serve {checkpoint}" in printed) == decision.promoted  # and offers no serve line
 
     def convert_again(gguf: Path, out: Path) -> None:
         raise AssertionError(f"{gguf} was dequantized again")

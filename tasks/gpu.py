@@ -94,6 +94,7 @@ def without_placement(provenance: Callable[..., Provenance]) -> Callable[..., Pr
     def keyed(store: ArtifactStore, placement: VerifierConfig | None = None, **inputs) -> Provenance:
         return provenance(store, **inputs)
 
+    keyed.step_provenance = provenance  # type: ignore[attr-defined]  # what the step itself records: tests check they agree
     return keyed
 
 

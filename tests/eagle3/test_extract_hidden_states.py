@@ -79,7 +79,7 @@ def test_aux_layer_ids_out_of_range_name_the_verifier_and_layers(prepared):
 def test_default_aux_ids_need_enough_layers(prepared):
     store, verifier, dataset = prepared
 
-    with pytest.raises(ConfigError, match="Set extract.aux_layer_ids explicitly"):
+    with pytest.raises(ConfigError, match=r"the default extract\.aux_layer_ids \[2, n//2, n-3\] = .* Set extract\.aux_layer_ids to 3 distinct"):
         extract_hidden_states(ExtractConfig(), dataset, verifier, store, Provenance())
 
 

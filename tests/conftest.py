@@ -263,28 +263,27 @@ def prefect_server(tmp_path_factory):
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": url}
-    log = open(home / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_for_http(f"{url}/health", server, home / "server.log", timeout_s=180)
-    except RuntimeError:
-        server.kill()
-        raise
-    try:
-        with temporary_settings(
-            updates={PREFECT_API_URL: url, PREFECT_HOME: str(home), PREFECT_LOCAL_STORAGE_PATH: str(home / "storage")}
-        ):
-            yield url
-            from prefect.logging.handlers import APILogWorker
+    with open(home / "server.log", "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_for_http(f"{url}/health", server, home / "server.log", timeout_s=180)
+        except RuntimeError:
+            server.kill()
+            raise
+        try:
+            with temporary_settings(
+                updates={PREFECT_API_URL: url, PREFECT_HOME: str(home), PREFECT_LOCAL_STORAGE_PATH: str(home / "storage")}
+            ):
+                yield url
+                from prefect.logging.handlers import APILogWorker
 
-            APILogWorker.drain_all(timeout=10)  # send the last logs before the server stops
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
+                APILogWorker.drain_all(timeout=10)  # send the last logs before the server stops
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
 
 
 # Deployments registered against the real server, a tiny run config, and a real process worker.

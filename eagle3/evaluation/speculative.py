@@ -65,7 +65,7 @@ def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int
     proposer.reset()
     argmax, aux = forward(prompt)
     proposer.observe(aux)
-    context = prompt + [argmax[-1]]
+    context = [*prompt, argmax[-1]]
     stats = DecodeStats(tokens=[argmax[-1]])
     while len(stats.tokens) < max_new_tokens and stats.tokens[-1] not in eos_ids:
         drafts = proposer.propose(context, min(k, max_new_tokens - len(stats.tokens)))
@@ -73,7 +73,7 @@ def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == argmax[accepted]:
             accepted += 1
-        new = drafts[:accepted] + [argmax[accepted]]
+        new = [*drafts[:accepted], argmax[accepted]]
         forward.rollback(len(drafts) - accepted)
         proposer.observe(None if aux is None else aux[: accepted + 1])
         stats.verifier_passes += 1

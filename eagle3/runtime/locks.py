@@ -72,7 +72,7 @@ def _acquire(lock: Path, mode: int, what: str | None) -> tuple[IO, bool] | None:
     lock.parent.mkdir(parents=True, exist_ok=True)
     waited = False
     while True:
-        handle = open(lock, "a")
+        handle = open(lock, "a")  # noqa: SIM115 - the locked handle outlives this call: _release closes it
         try:
             try:
                 fcntl.flock(handle, mode | fcntl.LOCK_NB)

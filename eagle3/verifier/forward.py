@@ -212,7 +212,7 @@ class _ReplayProposer:
 
     def propose(self, context: list[int], k: int) -> list[int]:
         right = self.reference[len(context) - self.prompt_len :][:k]
-        return right[:-1] + [right[-1] - 1 if right[-1] else 1] if right else []
+        return [*right[:-1], right[-1] - 1 if right[-1] else 1] if right else []
 
 
 PROBE_TOKENS = 12  # decoded from the probe prompt: enough passes of each kind to show a misplaced position

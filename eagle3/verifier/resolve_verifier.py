@@ -79,7 +79,7 @@ def _check_hf_dir(path: Path, trust_remote_code: bool = False) -> None:
         raise ArtifactError(path, "no *.safetensors weights found")
     for shard in shards:
         with safe_open(shard, "pt") as weights:
-            if quantized := [key for key in weights.keys() if QUANTIZED_EMBEDDING_OR_HEAD.search(key)]:
+            if quantized := [key for key in weights.keys() if QUANTIZED_EMBEDDING_OR_HEAD.search(key)]:  # noqa: SIM118 - safe_open is not iterable
                 raise ArtifactError(
                     shard, f"tensor '{quantized[0]}': the verifier's token embeddings or head are quantized. Training "
                     "takes them from the checkpoint as stored (speculators reads them by name), so they must be kept "

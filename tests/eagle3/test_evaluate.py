@@ -81,7 +81,7 @@ class OracleProposer:
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])  # a CPU's forward, and a GPU's (eagerly)
 def test_speculative_output_equals_plain_greedy_for_every_proposer(exported, verifier_model, kind):
-    store, verifier, hidden, checkpoint = exported
+    _store, verifier, _hidden, checkpoint = exported
     model, capture = verifier_model
     draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double())
     forward = DynamicForward(model, capture) if kind == "dynamic" else StaticForward(model, capture, len(PROMPT) + 40)
@@ -111,12 +111,12 @@ def test_every_drafted_token_matches_its_training_forward(exported, verifier_mod
     """Each step of a k-token chain computes what the training-time forward computes at that TTT
     step: run on the context followed by the chain (which is what teacher forcing feeds each later
     step), the training forward gives the same logits at the context's last position."""
-    store, verifier, hidden, checkpoint = exported
+    _store, verifier, _hidden, checkpoint = exported
     model, capture = verifier_model
     draft = load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double()
     logits = []
     hook = draft.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[0]))
-    context = PROMPT + [900]
+    context = [*PROMPT, 900]
     with torch.no_grad():
         model(input_ids=torch.tensor([PROMPT]))
     proposer = Eagle3Proposer(draft)
@@ -139,7 +139,7 @@ def test_every_drafted_token_matches_its_training_forward(exported, verifier_mod
     trained = [step[at_last_context_token] for step in logits]
     assert len(drafted) == len(trained) == k
     for step, (ours, theirs) in enumerate(zip(drafted, trained)):
-        torch.testing.assert_close(ours, theirs, msg=lambda m: f"TTT step {step}: {m}")
+        torch.testing.assert_close(ours, theirs, msg=lambda m, step=step: f"TTT step {step}: {m}")
     assert chain == [int(t.argmax()) + int(draft.d2t[int(t.argmax())]) for t in trained]
 
 
@@ -147,7 +147,7 @@ def test_step_0_extended_round_by_round_proposes_what_step_0_over_the_whole_cont
     """The proposer runs step 0 once per confirmed position, extending its cache by the tokens each
     round confirmed (1 to k + 1) and cropping the chained steps' entries after proposing: each
     round's chain and step-0 state equal a fresh proposer's given the whole context at once."""
-    store, verifier, hidden, checkpoint = exported
+    _store, verifier, _hidden, checkpoint = exported
     model, capture = verifier_model
     draft = load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double()
     sequence = PROMPT + greedy_decode(DynamicForward(model, capture), PROMPT, 20, set()).tokens
@@ -172,10 +172,10 @@ def test_step_0_extended_round_by_round_proposes_what_step_0_over_the_whole_cont
 def test_teacher_forced_first_tokens_are_the_proposals_and_the_training_step_0(exported, verifier_model):
     """`first_tokens` is what `propose` drafts first after every prefix, and the argmax of the
     training forward's step-0 logits at every position: the per-token accuracy validation reports."""
-    store, verifier, hidden, checkpoint = exported
+    _store, verifier, _hidden, checkpoint = exported
     model, capture = verifier_model
     draft = load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double()
-    sequence = PROMPT + [900, 17, 400, 52, 3, 71]
+    sequence = [*PROMPT, 900, 17, 400, 52, 3, 71]
     with torch.no_grad():
         model(input_ids=torch.tensor([sequence]))
     aux = capture.stacked()[0, :-1, :-1]  # states of sequence[:-1]
@@ -202,7 +202,7 @@ def test_teacher_forced_first_tokens_are_the_proposals_and_the_training_step_0(e
 def test_draft_token_accuracy_counts_each_first_proposal_against_the_next_token(exported, verifier_model):
     """A continuation built from the draft's own first proposals, with every third one replaced:
     exactly the kept ones count as correct (the first token is the verifier's own, never drafted)."""
-    store, verifier, hidden, checkpoint = exported
+    _store, verifier, _hidden, checkpoint = exported
     model, capture = verifier_model
     proposer = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double())
     continuation = [900]
@@ -219,7 +219,7 @@ def test_draft_token_accuracy_counts_each_first_proposal_against_the_next_token(
 
 
 def test_in_vocabulary_counts_the_tokens_the_draft_vocabulary_holds(exported):
-    store, verifier, hidden, checkpoint = exported
+    _store, verifier, _hidden, checkpoint = exported
     proposer = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cpu")))
     inside = proposer.draft.t2d.nonzero().flatten()[:3].tolist()
     outside = (~proposer.draft.t2d).nonzero().flatten()[:2].tolist()
@@ -504,7 +504,7 @@ def test_an_unfinished_evaluation_reports_the_evaluations_own_figures_over_the_p
         assert row["eagle3"] == round(tau_from_counts(full.counts("eagle3", k)[1:]), 3)
         assert row["ngram"] == round(tau_from_counts(baselines.counts("ngram", k)[1:]), 3)
         assert row["eagle3_se"] is None and row["gain_se"] is None  # one prompt: no spread
-        assert both["by_k"][str(k)]["by_category"]["writing"]["eagle3_k%d" % k] == row["eagle3"]
+        assert both["by_k"][str(k)]["by_category"]["writing"][f"eagle3_k{k}"] == row["eagle3"]
 
 
 def test_a_run_waiting_for_another_run_of_the_step_claims_its_gpu_only_once_it_holds_the_step(exported):

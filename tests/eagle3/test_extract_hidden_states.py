@@ -240,7 +240,7 @@ def test_nested_verifier_loads_its_text_decoder(tiny_nested_verifier, tmp_path):
     verifier = resolve_verifier(VerifierConfig(path=str(tiny_nested_verifier)), store)
     model = load_text_model(verifier.path, torch.float32, "cpu")
     with safe_open(tiny_nested_verifier / "model.safetensors", "pt") as f:
-        [key] = [k for k in f.keys() if k.endswith("layers.1.mlp.up_proj.weight")]
+        [key] = [k for k in f.keys() if k.endswith("layers.1.mlp.up_proj.weight")]  # noqa: SIM118 - safe_open is not iterable
         expected = f.get_tensor(key)
     dataset = prepare_dataset(DatasetConfig(max_records=4), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def test_without_devices_the_attempt_runs_in_this_process():
 
 
 def test_out_of_memory_and_input_errors_come_back_as_themselves():
-    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 2.00 GiB"):
+    with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 2\.00 GiB"):
         run_attempt(fail_with, Failure(kind="oom"), ["0"])
     with pytest.raises(ArtifactError, match="record 7: field 'messages'") as error:
         run_attempt(fail_with, Failure(kind="artifact"), ["0"])
@@ -84,9 +85,8 @@ def test_a_killed_child_is_an_error_with_its_exit_code():
 def test_device_locks_hand_out_distinct_devices_and_wait_when_all_are_taken(tmp_path):
     with lock_free_gpus(["0", "1"], 1, tmp_path) as first, lock_free_gpus(["0", "1"], 1, tmp_path) as second:
         assert sorted(first + second) == ["0", "1"]
-        with pytest.raises(RuntimeError, match=r"no 1 free GPU\(s\) among \['0', '1'\]"):
-            with lock_free_gpus(["0", "1"], 1, tmp_path, timeout_s=0.5):
-                pass
+        with pytest.raises(RuntimeError, match=r"no 1 free GPU\(s\) among \['0', '1'\]"), lock_free_gpus(["0", "1"], 1, tmp_path, timeout_s=0.5):
+            pass
     with lock_free_gpus(["0", "1"], 2, tmp_path) as both:
         assert both == ["0", "1"]
 
@@ -136,7 +136,7 @@ def _gone(pid: int, within_s: float) -> bool:
     deadline = time.time() + within_s
     while time.time() < deadline:
         try:
-            if "State:\tZ" in open(f"/proc/{pid}/status").read():
+            if "State:\tZ" in Path(f"/proc/{pid}/status").read_text():
                 return True
         except FileNotFoundError:
             return True

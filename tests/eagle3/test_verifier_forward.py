@@ -46,7 +46,7 @@ def test_each_pass_after_a_rollback_returns_what_one_full_forward_of_the_kept_to
     forward.rollback(0)
     argmax, aux = forward([44, 45])
 
-    sequence = PROMPT + [41, 44, 45]
+    sequence = [*PROMPT, 41, 44, 45]
     with torch.inference_mode():
         full = model(input_ids=torch.tensor([sequence]), use_cache=False)
         full_aux = capture.stacked()[0, :, :-1]
@@ -67,7 +67,7 @@ def test_entries_a_rollback_forgets_cannot_reach_later_passes_even_as_nan(model)
     argmax, _ = forward([44])
 
     with torch.inference_mode():
-        full = model(input_ids=torch.tensor([PROMPT + [41, 44]]), use_cache=False)
+        full = model(input_ids=torch.tensor([[*PROMPT, 41, 44]]), use_cache=False)
     assert argmax == full.logits[0, -1:].argmax(-1).tolist()
 
 

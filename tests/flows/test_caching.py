@@ -243,7 +243,7 @@ def test_appending_records_extracts_only_the_new_shard(first_run, conversations)
     from eagle3.extraction.shards import HiddenStatesManifest
     from eagle3.store.artifacts import ArtifactStore
 
-    config, first = first_run
+    config, _first = first_run
     more = "".join(SAMPLE.read_text().splitlines(keepends=True)[40:48])
     conversations.write_text(conversations.read_text() + more)
 

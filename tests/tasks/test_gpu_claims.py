@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import subprocess
@@ -23,11 +24,8 @@ def no_gpu_limit(prefect_server):
     from prefect.exceptions import ObjectNotFound
 
     def delete():
-        with get_client(sync_client=True) as client:
-            try:
-                client.delete_global_concurrency_limit_by_name(GPU_LIMIT)
-            except ObjectNotFound:
-                pass
+        with get_client(sync_client=True) as client, contextlib.suppress(ObjectNotFound):
+            client.delete_global_concurrency_limit_by_name(GPU_LIMIT)
 
     delete()
     yield
@@ -74,7 +72,7 @@ def test_claims_on_one_gpu_slot_never_overlap(no_gpu_limit):
     for t in threads:
         t.join(timeout=120)
 
-    (a_start, a_end), (b_start, b_end) = sorted(spans)
+    (_a_start, a_end), (b_start, _b_end) = sorted(spans)
     assert b_start >= a_end
 
 
@@ -95,7 +93,7 @@ def test_a_failing_step_releases_its_slots(no_gpu_limit):
 
     with pytest.raises(ZeroDivisionError), gpu_slots(2):
         assert _active_slots() == 2
-        1 / 0
+        raise ZeroDivisionError
 
     assert _active_slots() == 0
 

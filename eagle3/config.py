@@ -8,10 +8,13 @@ that reads it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic.json_schema import JsonDict
 
 __all__ = [
     "ConfigError",
@@ -35,8 +38,8 @@ __all__ = [
     "redacted_url",
 ]
 
-_NO_KEY = {"affects_output": False}
-_BY_CONTENT = {"affects_output": False, "keyed_by_content": True}  # a path: the steps key what it holds, not where
+_NO_KEY: JsonDict = {"affects_output": False}
+_BY_CONTENT: JsonDict = {"affects_output": False, "keyed_by_content": True}  # a path: the steps key what it holds, not where
 Device = Literal["auto", "cpu", "cuda"]  # auto: CUDA where visible; a GPU step claims its devices itself (tasks/gpu.py)
 
 
@@ -161,6 +164,10 @@ class _ServerCapableGroup(_Group):
     _name: ClassVar[str]
     _server_backend: ClassVar[str]
     _local_only: ClassVar[frozenset[str]] = frozenset()  # fields only the in-process backend reads
+
+    if TYPE_CHECKING:  # every subclass declares both fields, with its own choice of backends
+        backend: str
+        endpoint: EndpointConfig
 
     def ignored_here(self) -> set[str]:
         return set(self._local_only) if self.backend == self._server_backend else {"endpoint"}
@@ -495,7 +502,7 @@ def output_affecting(group: BaseModel) -> dict[str, Any]:
     out = {}
     ignored = group.ignored_here() if isinstance(group, _Group) else set()
     for name, field in type(group).model_fields.items():
-        if not (field.json_schema_extra or {}).get("affects_output", True) or name in ignored:
+        if not _key_markers(field).get("affects_output", True) or name in ignored:
             continue
         value = getattr(group, name)
         out[name] = output_affecting(value) if isinstance(value, BaseModel) else group.model_dump(mode="json", include={name})[name]
@@ -512,7 +519,15 @@ class FieldDoc(NamedTuple):
     description: str
 
 
-def _cache_key_role(extra: dict) -> str:
+def _key_markers(field: FieldInfo) -> JsonDict:
+    """The cache-key markers (`_NO_KEY`, `_BY_CONTENT`) a field carries in its json_schema_extra."""
+    extra = field.json_schema_extra or {}
+    if callable(extra):
+        raise TypeError("a config field's json_schema_extra must be a dict: cache keys read affects_output from it")
+    return extra
+
+
+def _cache_key_role(extra: JsonDict) -> str:
     if extra.get("keyed_by_content"):
         return "content"
     return "value" if extra.get("affects_output", True) else "no"
@@ -532,7 +547,7 @@ def field_docs(group: BaseModel, prefix: str = "") -> list[FieldDoc]:
             name=dotted,
             value=group.model_dump(mode="json", include={name})[name],
             default=default.model_dump(mode="json") if isinstance(default, BaseModel) else default,
-            cache_key=_cache_key_role(field.json_schema_extra or {}),
+            cache_key=_cache_key_role(_key_markers(field)),
             description=field.description or "",
         ))
     return docs
@@ -548,7 +563,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PipelineConfig:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> PipelineConfig:
     """Layer `key.sub=value` overrides over a YAML file over the defaults.
 
     Raises:

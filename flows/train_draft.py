@@ -12,6 +12,7 @@ from eagle3.config import PipelineConfig
 from eagle3.data.prepare_dataset import dataset_source
 from eagle3.data.regenerate import regenerated_conversations
 from eagle3.evaluation.evaluate import EvalManifest, eval_prompts_source
+from eagle3.extraction.shards import HiddenStatesManifest
 from eagle3.plan import check_verifier_fits
 from eagle3.preflight import check_preflight
 from eagle3.serving.export import ExportManifest
@@ -70,7 +71,7 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
         if config.stop_after == "dataset":
             return PipelineResult(lineage=lineage(), stopped_after="dataset")
         if config.train.hidden_states == "online":  # computed while the draft trains: none stored
-            hidden_states = online_states_task(store, config.extract, dataset, verifier)
+            hidden_states: HiddenStatesManifest = online_states_task(store, config.extract, dataset, verifier)
         else:
             hidden_states = extract_hidden_states_task(store, config.extract, dataset, verifier, config.verifier)
         if config.stop_after == "hidden_states":

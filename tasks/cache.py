@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 from uuid import UUID
 
 from prefect import Task, task
@@ -39,6 +39,8 @@ __all__ = ["ManifestSerializer", "StepCache", "step_cache_policy", "step_task", 
 
 ProvenanceOf = Callable[..., Provenance]  # (store, **the task's inputs but store_dir)
 _computed: dict[UUID, Provenance] = {}  # task run id -> the provenance its key was computed from
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass
@@ -59,11 +61,18 @@ class StepCache(CachePolicy):
         provenance = self.provenance(store, **inputs)
         _computed[task_ctx.task_run.id] = provenance
         # The store is part of the key: a cached manifest points into the store that holds it.
-        key = hash_objects(str(store.root), provenance.key)
+        key = _hash(str(store.root), provenance.key)
         results = task_ctx.result_store
         while (record := _raw_record(results, key)) is not None and not _usable(record):
-            key = hash_objects(key, "rebuilt after gc")
+            key = _hash(key, "rebuilt after gc")
         return key
+
+
+def _hash(*parts: str) -> str:
+    key = hash_objects(*parts)
+    if key is None:  # None only for what neither JSON nor cloudpickle encodes: never strings
+        raise ValueError(f"cannot hash {parts!r} into a cache key")
+    return key
 
 
 def _raw_record(results: ResultStore, key: str) -> dict | None:
@@ -72,11 +81,17 @@ def _raw_record(results: ResultStore, key: str) -> dict | None:
     so a record naming pickle, planted in a shared result store, would run whatever it holds."""
     if results.metadata_storage is not None:  # records split over two storages: not this package's setup
         raise ValueError("eagle3 step results need one result storage (no separate metadata storage)")
-    storage = results.result_storage or get_default_result_storage(_sync=True)
+    storage = results.result_storage or _called_sync(get_default_result_storage)
     try:
-        return json.loads(storage.read_path(key, _sync=True))
+        return json.loads(_called_sync(storage.read_path, key))
     except (OSError, ValueError):  # none, or not a record: nothing Prefect would take as a cache hit either
         return None
+
+
+def _called_sync(dispatched: Callable[..., object], *args: Any) -> Any:
+    """Call one of Prefect's `async_dispatch` functions through its sync implementation, which
+    `_sync=True` selects. Their signatures take no `_sync` and type the result as (maybe) a coroutine."""
+    return dispatched(*args, _sync=True)
 
 
 def _usable(record: dict) -> bool:
@@ -99,8 +114,16 @@ def step_cache_policy(step: str | ProvenanceOf) -> StepCache:
 def task_provenance(task: Task, store: ArtifactStore, **inputs: Any) -> Provenance:
     """The provenance the cache policy computed for this task run; computed here only where the
     policy could not (it raised: the step then raises the same error with its own message)."""
-    computed = _computed.pop(TaskRunContext.get().task_run.id, None)
-    return computed if computed is not None else task.cache_policy.provenance(store, **inputs)
+    context = TaskRunContext.get()
+    if context is None:
+        raise RuntimeError(f"task_provenance({task.name}) is called from outside a running task")
+    computed = _computed.pop(context.task_run.id, None)
+    if computed is not None:
+        return computed
+    policy = task.cache_policy
+    if not isinstance(policy, StepCache) or policy.provenance is None:
+        raise TypeError(f"task {task.name} has no step cache policy (`step_task`) to compute its provenance")
+    return policy.provenance(store, **inputs)
 
 
 class ManifestSerializer(Serializer):
@@ -117,6 +140,6 @@ class ManifestSerializer(Serializer):
         return manifest_types()[record["kind"]].model_validate(record["manifest"])
 
 
-def step_task(name: str, step: str | ProvenanceOf) -> Callable[[Callable], Task]:
+def step_task(name: str, step: str | ProvenanceOf) -> Callable[[Callable[P, R]], Task[P, R]]:
     """`@task` for a step: cached by its provenance, its manifest persisted as JSON."""
     return task(name=name, cache_policy=step_cache_policy(step), persist_result=True, result_serializer=ManifestSerializer())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import base64
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 
@@ -43,7 +44,8 @@ class Progress:
     """A Prefect progress artifact fed from a step's callback (percent, updated at most every 1%)."""
 
     def __init__(self, description: str):
-        self.id = create_progress_artifact(progress=0.0, description=description)
+        # Steps run as sync functions, so Prefect's async_dispatch returns the id, not a coroutine.
+        self.id = cast(UUID, create_progress_artifact(progress=0.0, description=description))
         self.last = 0.0
 
     def __call__(self, done: float, total: float, *_: Any) -> None:

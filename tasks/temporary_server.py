@@ -61,7 +61,10 @@ class TemporaryServer:
         return f"http://127.0.0.1:{self.port}/api"
 
     def _start(self) -> subprocess.Popen:
-        prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent  # found, not imported: the server starts at once
+        prefect_spec = importlib.util.find_spec("prefect")  # found, not imported: the server starts at once
+        if prefect_spec is None or prefect_spec.origin is None:
+            raise RuntimeError("the temporary Prefect server needs the prefect package installed")
+        prefect_dir = Path(prefect_spec.origin).parent
         command = [
             sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent), "--factory",
             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error",

@@ -310,9 +310,9 @@ def _run(args) -> int:
             print(f"eagle3: {exc}", file=sys.stderr)
             return 2
         except Exception as exc:
-            if (problem := storage_problem(exc, store)) is None:
+            if (storage_error := storage_problem(exc, store)) is None:
                 raise
-            print(f"eagle3: {problem}", file=sys.stderr)
+            print(f"eagle3: {storage_error}", file=sys.stderr)
             return 2
     _print_result(result)
     return 0

@@ -104,8 +104,8 @@ def _verifier(config: PipelineConfig) -> list[Problem]:
         return [unreadable]
     if source.is_file():
         return _gguf(source)
-    problems: list[Problem] = [_truncated(f) for f in sorted(source.glob("*.safetensors"))]
-    problems = [p for p in problems if p is not None]
+    truncated = [_truncated(f) for f in sorted(source.glob("*.safetensors"))]
+    problems: list[Problem] = [p for p in truncated if p is not None]
     config_file = source / "config.json"
     try:
         verifier_config = json.loads(config_file.read_text())
@@ -219,7 +219,7 @@ def _prompts(config: PipelineConfig) -> list[Problem]:
     return problems
 
 
-def storage_problem(exc: BaseException, store: Path) -> ArtifactError | None:
+def storage_problem(exc: BaseException | None, store: Path) -> ArtifactError | None:
     """The disk-full or permission error behind `exc` (itself or what it was raised from), as one
     line naming the file (else the store) and the fix; None for anything else. A disk that fills
     midway cannot be seen before the run: what finished stays cached, so freeing space and running

@@ -119,7 +119,7 @@ def read_user_turns(path: Path, limit: int | None) -> list[Record]:
         ArtifactError: a record has no user turn, or shares its id (`id`, `question_id`, else its
             index) with an earlier one: answers are kept by id, so one would silently replace the other.
     """
-    out = []
+    out: list[Record] = []
     first_with_id: dict[str, int] = {}
     for index, record in read_records(path):
         if limit is not None and len(out) >= limit:

@@ -25,6 +25,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 from eagle3.data.prepare_dataset import ROLE_ALIASES
 from eagle3.store.artifacts import ArtifactError
@@ -56,7 +57,8 @@ def _complete_records(path: Path, drops: Counter) -> Iterator[dict]:
     if not text.lstrip().startswith("["):
         raise ArtifactError(path, "expected a JSON array of conversations")
     decoder, at = json.JSONDecoder(), text.index("[") + 1
-    while (at := _BETWEEN.match(text, at).end()) < len(text) and text[at] != "]":
+    # _BETWEEN matches at any position (the empty string at least), so match() never returns None here.
+    while (at := cast(re.Match[str], _BETWEEN.match(text, at)).end()) < len(text) and text[at] != "]":
         try:
             record, at = decoder.raw_decode(text, at)
         except json.JSONDecodeError:
@@ -78,7 +80,8 @@ def _messages(record: dict) -> list[dict[str, str]]:
 def read_sharegpt(path: Path) -> tuple[list[dict], Counter]:
     """The usable conversations of a ShareGPT file (`{"id", "messages"}` each) and the drops by reason."""
     drops: Counter = Counter()
-    records, seen = [], Counter()
+    records: list[dict] = []
+    seen: Counter[str] = Counter()
     for record in _complete_records(path, drops):
         if not isinstance(record, dict) or not record.get("conversations"):
             drops["no_conversation"] += 1

@@ -44,6 +44,7 @@ from eagle3.verifier.resolve_verifier import VerifierManifest, verifier_tokenize
 
 if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, these only where a step runs
     import torch
+    from transformers import PreTrainedModel
 
 __all__ = [
     "BaselineManifest", "DecodingModel", "baseline_provenance", "chat_prompts", "decode_remaining", "decode_summary", "device_name",
@@ -115,7 +116,7 @@ def device_name(device: torch.device) -> str:
 class DecodingModel:
     """The verifier as evaluation decodes with it, and the eval prompts as token ids."""
 
-    model: torch.nn.Module
+    model: PreTrainedModel
     device: torch.device
     eos_ids: set[int]
     prompts: list[list[int]]

@@ -251,6 +251,7 @@ def evaluate(
             row = measure_served_acceptance(cfg, texts, prompts_path)
             measured = _Measured(results=[row], num_tokens=row["tokens"], greedy_tokens_per_s=None, mismatches=None)
         else:
+            assert baselines is not None and prompts is not None  # backend 'transformers': checked and templated above
             references = baselines.reference()
             if len(references) != len(texts):
                 raise ArtifactError(baselines.path, f"baselines of {len(references)} prompts for an evaluation of {len(texts)}")

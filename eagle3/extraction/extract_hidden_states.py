@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -88,10 +89,11 @@ def resolve_aux_layer_ids(ids: list[int] | None, num_layers: int, verifier: Path
     )
 
 
-def prefill_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+def prefill_batches(indices: list[int], lengths: Mapping[int, int], budget: int) -> list[list[int]]:
     """Longest-first batches whose padded size (count x longest) stays within `budget` tokens."""
     order = sorted(indices, key=lambda i: -lengths[i])
-    batches, current = [], []
+    batches: list[list[int]] = []
+    current: list[int] = []
     for i in order:
         if current and (len(current) + 1) * lengths[current[0]] > budget:
             batches.append(current)
@@ -181,8 +183,13 @@ class _Source:
 
         self.spec, self.input_ids, self.record_ids = spec, input_ids, record_ids
         self.device = torch.device(spec.device)
-        self.decoder = self.capture = self.server = self.engine = None
+        self.decoder: torch.nn.Module | None = None
+        self.capture: HiddenStateCapture | None = None
+        self.server: ServedStates | None = None
+        self.engine: EngineStates | None = None
         if spec.served is not None:
+            if spec.served_states is None:
+                raise ValueError("an attempt that asks a server for the states needs served_states, where their files are read")
             self.server = ServedStates(spec.served, len(spec.aux) + 1, spec.verifier.hidden_size, spec.served_states)
             self.server.check_fit([(i, record_ids[i], input_ids[i]) for shard in spec.todo for i in shard.records])
 

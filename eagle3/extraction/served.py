@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3.config import ConfigError, EndpointConfig
-from eagle3.serving.endpoint import EndpointError, RequestRejected, open_client, request
+from eagle3.serving.endpoint import EndpointError, RequestRejected, open_client, request, served_model
 
 if TYPE_CHECKING:  # the step imports these when it runs: speculators alone takes 14 s to import on two cores
     import openai
@@ -164,9 +164,10 @@ def prefill(client: openai.OpenAI, cfg: EndpointConfig, token_ids: list[int]):
         RequestRejected: the server refused this request (its message says why).
         EndpointError: the server could not answer after the retries.
     """
+    model = served_model(cfg)
     return request(
         cfg,
-        lambda: client.completions.create(model=cfg.model, prompt=token_ids, max_tokens=1, extra_body={"return_token_ids": True}),
+        lambda: client.completions.create(model=model, prompt=token_ids, max_tokens=1, extra_body={"return_token_ids": True}),
     )
 
 

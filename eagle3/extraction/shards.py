@@ -93,7 +93,9 @@ def shard_key(cfg: ExtractConfig, verifier: VerifierManifest, aux: list[int], sa
     the step's, so its served model name stands for it, and vLLM's engine's environment, dtype and
     arguments for the engine), the storage precision where it is fp8 (bf16 shards keep the keys they
     had before FP8 existed) and its samples' token ids."""
-    extracted_by = [code_version(code_step(cfg))] + ([cfg.endpoint.model] if cfg.backend == "vllm" else [])
+    extracted_by: list[str | dict | None] = [code_version(code_step(cfg))]
+    if cfg.backend == "vllm":
+        extracted_by.append(cfg.endpoint.model)
     if cfg.backend == "vllm-engine":
         extracted_by.append(engine_identity(cfg.engine))
     if cfg.storage != "bf16":

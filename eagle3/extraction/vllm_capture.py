@@ -41,7 +41,7 @@ them; each pipeline stage keeps the slots of its own layers, merged by the drive
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -49,6 +49,15 @@ from torch import nn
 __all__ = ["EXTENSION", "HiddenStateCaptureExtension", "find_decoder", "unpack_states"]
 
 EXTENSION = f"{__name__}.HiddenStateCaptureExtension"
+ModuleKind = TypeVar("ModuleKind", bound=nn.Module)
+
+
+def _submodule(module: nn.Module, name: str, kind: type[ModuleKind]) -> ModuleKind:
+    """`module.<name>`, checked to be a `kind`: torch types any attribute of a module as Tensor | Module."""
+    child = getattr(module, name)
+    if not isinstance(child, kind):
+        raise RuntimeError(f"{type(module).__name__}.{name} is a {type(child).__name__}, not a {kind.__name__}")
+    return child
 
 
 def find_decoder(model: nn.Module, num_layers: int) -> nn.Module:
@@ -59,7 +68,7 @@ def find_decoder(model: nn.Module, num_layers: int) -> nn.Module:
         m for m in model.modules()
         if isinstance(getattr(m, "layers", None), nn.ModuleList) and isinstance(getattr(m, "norm", None), nn.Module)
     ]
-    exact = [m for m in candidates if len(m.layers) == num_layers]
+    exact = [m for m in candidates if len(_submodule(m, "layers", nn.ModuleList)) == num_layers]
     if not (exact or candidates):
         raise RuntimeError(f"no decoder (a module with .layers and .norm) in {type(model).__name__}: cannot hook its layers")
     return (exact or candidates)[0]
@@ -108,6 +117,7 @@ class _Capture:
         self.runner = runner
         self.model = runner.get_model()
         self.decoder = find_decoder(self.model, n)
+        self.layers = _submodule(self.decoder, "layers", nn.ModuleList)
         self.rank = (get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
         self.keep = self.rank[0] == 0  # states are replicated over tensor-parallel ranks
         self.requests: dict[str, list[_Chunk]] = {}  # internal request id -> chunks in capture order
@@ -117,19 +127,19 @@ class _Capture:
         self.layout: tuple[list[tuple[str, int, int]], int | None] | None = None  # this forward's (req, start row, end row), row count
         self.stats = {"forwards": 0, "forwards_skipped": 0, "max_requests_per_forward": 0, "split_requests": 0}
         self.handles = [self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
-        start, end = getattr(self.decoder, "start_layer", 0), getattr(self.decoder, "end_layer", len(self.decoder.layers))
+        start, end = getattr(self.decoder, "start_layer", 0), getattr(self.decoder, "end_layer", len(self.layers))
         for slot, k in enumerate(aux_layer_ids):
             if k == 0 and start == 0:
-                self.handles.append(self.decoder.embed_tokens.register_forward_hook(self._output_hook(slot, layer=False)))
+                self.handles.append(_submodule(self.decoder, "embed_tokens", nn.Module).register_forward_hook(self._output_hook(slot, layer=False)))
             elif k > 0 and start <= k - 1 < end:  # this pipeline stage holds layer k-1
-                self.handles.append(self.decoder.layers[k - 1].register_forward_hook(self._output_hook(slot, layer=True)))
-        if end == len(self.decoder.layers):  # the last pipeline stage holds the final norm
-            self.handles.append(self.decoder.norm.register_forward_pre_hook(self._norm_hook(len(aux_layer_ids))))
+                self.handles.append(self.layers[k - 1].register_forward_hook(self._output_hook(slot, layer=True)))
+        if end == len(self.layers):  # the last pipeline stage holds the final norm
+            self.handles.append(_submodule(self.decoder, "norm", nn.Module).register_forward_pre_hook(self._norm_hook(len(aux_layer_ids))))
         self._wrap_runner()
 
     def describe(self) -> dict:
         return {"rank": list(self.rank), "keeps_states": self.keep, "decoder": type(self.decoder).__name__,
-                "runner": type(self.runner).__name__, "layers": len(self.decoder.layers)}
+                "runner": type(self.runner).__name__, "layers": len(self.layers)}
 
     def close(self) -> None:
         for handle in self.handles:
@@ -304,4 +314,4 @@ class HiddenStateCaptureExtension:
         capture = getattr(self, "eagle3_capture", None)
         if capture is not None:
             capture.close()
-            self.eagle3_capture = None
+            del self.eagle3_capture

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
+from typing import IO, cast
 
 from eagle3.config import ConfigError, EngineConfig
 from eagle3.runtime.attempts import dying_with_parent
@@ -125,6 +126,7 @@ class EngineStates:
             self.process = subprocess.Popen(dying_with_parent(command), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
                                             pass_fds=(write_end,), env=env, start_new_session=True, text=True)
         os.close(write_end)
+        self.requests = cast(IO[str], self.process.stdin)  # a pipe (stdin=PIPE), never None
         self.replies = os.fdopen(read_end, "r")
         try:
             ready = self._reply("ready")["ready"]
@@ -173,8 +175,8 @@ class EngineStates:
         """
         request = {"shard_dir": str(shard_dir), "files": [[path.name, token_ids] for path, token_ids in files]}
         with suppress(BrokenPipeError):  # the engine is gone: reading its reply says why
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
+            self.requests.write(json.dumps(request) + "\n")
+            self.requests.flush()
         while "written" not in (message := self._reply("written")):
             progress(message["progress"])
         stats = message["stats"]
@@ -186,7 +188,7 @@ class EngineStates:
         """Stop the engine: closing its input lets it shut down; its processes are killed if it has not
         within `stop_s`."""
         with suppress(OSError):
-            self.process.stdin.close()
+            self.requests.close()
         try:
             self.process.wait(timeout=stop_s)
         except subprocess.TimeoutExpired:

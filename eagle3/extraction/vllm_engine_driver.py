@@ -74,11 +74,11 @@ def capture_states(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
     known = set(ids)
     merged: dict[str, dict] = {}
     for payload in llm.collective_rpc("eagle3_fetch_states"):  # one per worker
-        for internal, entry in unpack_states(payload).items():
+        for internal, fetched in unpack_states(payload).items():
             into = merged.setdefault(_external_id(internal, known), {"token_ids": None, "slots": {}})
-            if entry["token_ids"] is not None:
-                into["token_ids"] = entry["token_ids"]
-            into["slots"].update(entry["slots"])
+            if fetched["token_ids"] is not None:
+                into["token_ids"] = fetched["token_ids"]
+            into["slots"].update(fetched["slots"])
     states = []
     for prompt, request in zip(prompts, ids):
         entry = merged.get(request)
@@ -113,7 +113,9 @@ def _write(path: Path, states: torch.Tensor, token_ids: list[int], storage: str)
 
 def _batches(files: list[list], budget: int) -> list[list]:
     """Consecutive groups of at most `budget` prompt tokens (a longer prompt alone)."""
-    batches, current, tokens = [], [], 0
+    batches: list[list] = []
+    current: list = []
+    tokens = 0
     for entry in files:
         if current and tokens + len(entry[1]) > budget:
             batches.append(current)

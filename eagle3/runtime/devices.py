@@ -128,7 +128,7 @@ def lock_free_gpus(candidates: list[str], count: int, lock_dir: Path | None = No
     deadline = time.monotonic() + timeout_s
     while True:
         with ExitStack() as held:
-            devices = []
+            devices: list[str] = []
             for device in candidates:
                 if len(devices) < count and held.enter_context(exclusive_if_free(lock_dir / f"gpu-{device}.lock", remove=False)):
                     devices.append(device)

@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, overload
 
 __all__ = ["exclusive", "exclusive_if_free", "shared"]
 
@@ -66,6 +66,10 @@ def shared(lock: Path, what: str) -> Iterator[None]:
         _release(lock, handle, remove=False)
 
 
+@overload
+def _acquire(lock: Path, mode: int, what: str) -> tuple[IO, bool]: ...
+@overload
+def _acquire(lock: Path, mode: int, what: None) -> tuple[IO, bool] | None: ...
 def _acquire(lock: Path, mode: int, what: str | None) -> tuple[IO, bool] | None:
     """The open, locked file `lock` names and whether getting it meant waiting; None instead of
     waiting when `what` is None."""

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from eagle3.config import EndpointConfig
 
 if TYPE_CHECKING:  # imported where a request is made: 2 s on two cores, for runs that never make one
     import openai
+    from openai.types.chat import ChatCompletionMessageParam
 
-__all__ = ["EndpointError", "RequestRejected", "ServedAnswer", "chat", "open_client", "request"]
+__all__ = ["EndpointError", "RequestRejected", "ServedAnswer", "chat", "open_client", "request", "served_model"]
 
 
 class EndpointError(RuntimeError):
@@ -71,7 +72,10 @@ def chat(client: openai.OpenAI, cfg: EndpointConfig, messages: list[dict[str, st
         RequestRejected: the server refused this request (its message says why).
         EndpointError: the server could not answer after the retries.
     """
-    response = request(cfg, lambda: client.chat.completions.create(model=cfg.model, messages=messages, **sampling))
+    model = served_model(cfg)
+    # Plain role/content dicts: openai types each role's message as its own TypedDict.
+    params = cast("list[ChatCompletionMessageParam]", messages)
+    response = request(cfg, lambda: client.chat.completions.create(model=model, messages=params, **sampling))
     choice = response.choices[0]
     message = choice.message
     reasoning = getattr(message, "reasoning", None) or getattr(message, "reasoning_content", None)
@@ -81,6 +85,13 @@ def chat(client: openai.OpenAI, cfg: EndpointConfig, messages: list[dict[str, st
         finish_reason=choice.finish_reason,
         completion_tokens=response.usage.completion_tokens,
     )
+
+
+def served_model(cfg: EndpointConfig) -> str:
+    """`cfg.model`, which the config requires wherever a step sends requests to a server."""
+    if cfg.model is None:
+        raise EndpointError(f"{cfg.display_url}: endpoint.model is not set: the served model name (`vllm serve --served-model-name`)")
+    return cfg.model
 
 
 def request(cfg: EndpointConfig, send):

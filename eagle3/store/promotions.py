@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -77,6 +78,8 @@ class PromotionRecord(BaseModel):
         unchecked_ngram = "; n-gram lookup not measured here, so not compared" if self.beats_ngram is None else ""
         if self.best_earlier_tau is None:
             return f"promoted: {measured}; first checkpoint evaluated on this verifier and eval set{unchecked_ngram}"
+        if self.best_earlier_checkpoint is None:
+            raise ValueError(f"promotion record of {self.checkpoint}: best_earlier_tau is set without its best_earlier_checkpoint")
         verdict = "promoted" if self.promoted else "not promoted"
         beats = "beats" if self.promoted else "does not beat"
         bar, unchecked = f"more than {self.min_improvement}", ""
@@ -115,7 +118,8 @@ def promoted_checkpoints(store: ArtifactStore) -> list[PromotionRecord]:
     """The best promoted checkpoint under each comparison key, in order of its decision."""
     records = read_promotions(store)
     keys = dict.fromkeys(r.key for r in records if r.promoted)
-    return sorted((best_promoted(records, key) for key in keys), key=lambda r: r.recorded_at)
+    # Each key is some promoted record's, so best_promoted finds one for it.
+    return sorted((cast(PromotionRecord, best_promoted(records, key)) for key in keys), key=lambda r: r.recorded_at)
 
 
 

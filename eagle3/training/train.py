@@ -294,6 +294,8 @@ def train_draft(
         epochs = epoch_summaries(history, cfg.ttt_steps)
         assert [e["epoch"] for e in epochs] == list(range(cfg.epochs)), epochs  # resume_point counts validated epochs only
         selected = best_epoch(epochs)
+        if selected is None:  # cfg.epochs >= 1 and every epoch is validated (asserted above)
+            raise RuntimeError(f"no validated epoch in {spec.metrics_log}: no weights to ship")
         out = work / "artifact"
         if out.exists():
             shutil.rmtree(out)

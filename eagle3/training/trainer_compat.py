@@ -68,7 +68,9 @@ class ExactResumeTrainer(Trainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)  # loads a checkpoint as the model's own dtype: float32 loads exactly
-        self.checkpointer.save_checkpoint = functools.partial(self.checkpointer.save_checkpoint, float_dtype=torch.float32)
+        self.checkpointer.save_checkpoint = functools.partial(  # type: ignore[method-assign]  # patched on this instance only
+            self.checkpointer.save_checkpoint, float_dtype=torch.float32
+        )
 
 
 class CpuTrainer(ExactResumeTrainer):
@@ -78,7 +80,7 @@ class CpuTrainer(ExactResumeTrainer):
         super().__init__(*args, **kwargs)
         self.device_type = "cpu"  # autocast device
 
-    @property
+    @property  # type: ignore[override]  # an int rank in Trainer, a device for `.to(local_rank)`: here the CPU
     def local_rank(self) -> str:
         return "cpu"
 
@@ -106,14 +108,14 @@ def trainer_class(device: torch.device) -> Iterator[type[Trainer]]:
         yield ExactResumeTrainer
         return
     saved = trainer_module._StepTimer, checkpointer_module.get_current_device
-    trainer_module._StepTimer = _UnsyncedStepTimer
+    trainer_module._StepTimer = _UnsyncedStepTimer  # type: ignore[misc]  # patched for the CPU run, restored below
     checkpointer_module.get_current_device = lambda: "cpu"
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "In CPU autocast, but the target dtype is not supported")
             yield CpuTrainer
     finally:
-        trainer_module._StepTimer, checkpointer_module.get_current_device = saved
+        trainer_module._StepTimer, checkpointer_module.get_current_device = saved  # type: ignore[misc]  # the patch undone
 
 
 def save_bf16_checkpoint(checkpoint: Path, out: Path) -> None:

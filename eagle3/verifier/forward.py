@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 from transformers import Cache, DynamicCache
@@ -37,6 +38,10 @@ def drop_last(cache: DynamicCache, n: int) -> None:
         cache.crop(-n)
 
 
+@overload
+def aux_states(capture: HiddenStateCapture) -> torch.Tensor: ...
+@overload
+def aux_states(capture: HiddenStateCapture | None) -> torch.Tensor | None: ...
 def aux_states(capture: HiddenStateCapture | None) -> torch.Tensor | None:
     """The last forward's aux states [tokens, 3, H], what an EAGLE-3 draft reads (None without capture)."""
     return capture.stacked()[0, :, :-1].float() if capture else None
@@ -83,6 +88,8 @@ class _FixedCache(Cache):
             batch, heads, _, _ = key_states.shape
             self.keys[layer_idx] = key_states.new_zeros(batch, heads, self.max_len, key_states.shape[-1])
             self.values[layer_idx] = value_states.new_zeros(batch, heads, self.max_len, value_states.shape[-1])
+        if self.positions is None:
+            raise RuntimeError("no write positions for the KV buffers: the caller sets `positions` before each forward")
         self.keys[layer_idx].index_copy_(2, self.positions, key_states)
         self.values[layer_idx].index_copy_(2, self.positions, value_states)
         return self.keys[layer_idx], self.values[layer_idx]

@@ -36,6 +36,7 @@ from eagle3.verifier.loading import load_text_model, read_config, text_model_cla
 
 if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, these only where a step runs
     import torch
+    from transformers import PreTrainedModel
 
 __all__ = [
     "GIB", "Worker", "decoding_placement", "device_map", "gpu_memory_bytes", "gpus_needed", "gpus_to_decode", "largest_unit",
@@ -46,7 +47,7 @@ GIB = 2**30
 logger = logging.getLogger(__name__)
 
 
-def meta_model(path_or_config, dtype: torch.dtype) -> torch.nn.Module:
+def meta_model(path_or_config, dtype: torch.dtype) -> PreTrainedModel:
     """The verifier's module tree on the meta device, in `dtype` (of its directory, or of its config
     as transformers reads it): what loading it would hold, no weights read."""
     import torch
@@ -79,14 +80,14 @@ def largest_unit(model: torch.nn.Module) -> tuple[str, int]:
     return max(units, key=lambda unit: unit[1])
 
 
-def device_map(model: torch.nn.Module, max_memory: dict[int | str, int]) -> dict[str, int | str]:
+def device_map(model: PreTrainedModel, max_memory: dict[int | str, int]) -> dict[str, int | str]:
     """accelerate's balanced map of `model` over the devices of `max_memory` (device -> bytes its
     weights may take; "cpu" and "disk" get nothing unless named): module name -> device. What fits
     nowhere maps to "disk"."""
     from accelerate import infer_auto_device_map
     from transformers.integrations.accelerate import get_balanced_memory
 
-    budgets = {"cpu": 0, "disk": 0, **max_memory}
+    budgets: dict[int | str, int | str] = {"cpu": 0, "disk": 0, **max_memory}
     quiet = logging.getLogger("accelerate.utils.modeling")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # "Device 0 is not available": planning for GPUs this host lacks is the point
@@ -102,7 +103,7 @@ def offloaded(mapping: dict[str, int | str], allowed: tuple[str, ...] = ()) -> l
     return [name for name, device in mapping.items() if device in ("cpu", "disk") and device not in allowed]
 
 
-def gpus_needed(model: torch.nn.Module, budget: int) -> int | None:
+def gpus_needed(model: PreTrainedModel, budget: int) -> int | None:
     """The fewest GPUs of `budget` bytes each whose planned map holds `model` whole (None: none
     does, a layer is larger than one GPU's budget)."""
     if largest_unit(model)[1] > budget:
@@ -219,5 +220,7 @@ def decoding_placement(path: Path, gpus: list[str] | None, cfg: VerifierConfig |
     [worker, *replicas] = place_verifier(path, gpus, cfg, dtype)
     if replicas:  # it fits one: decode there
         return device, None
+    if worker.max_memory is None:  # place_verifier sets it on the one worker that spans several GPUs
+        raise RuntimeError(f"verifier '{path}' is spread over GPUs {gpus} without a memory budget per GPU")
     indices = [host_gpu_ids().index(gpu) for gpu in gpus]  # this process sees every GPU of the host
     return device, {index: worker.max_memory[i] for i, index in enumerate(indices)}

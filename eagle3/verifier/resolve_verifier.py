@@ -101,7 +101,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None  # save_pretrained refuses a "quantized" model; weights are dequantized
+    # save_pretrained refuses a "quantized" model; weights are dequantized.
+    model.hf_quantizer = None  # type: ignore[assignment]  # torch types Module.__setattr__ for tensors and modules only
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(partial)

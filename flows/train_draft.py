@@ -19,6 +19,7 @@ from eagle3.serving.export import ExportManifest
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.gc import store_in_use
 from eagle3.store.lineage import RunLineage
+from eagle3.store.manifests import ArtifactManifest
 from eagle3.store.promotions import PromotionRecord
 from eagle3.verifier.resolve_verifier import verifier_source
 from tasks.baseline import measure_baselines_task
@@ -53,29 +54,29 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
     check_preflight(config)  # bad paths and files, a full or read-only store, a pinned-off trust_remote_code
     check_verifier_fits(config)  # a verifier too large for its claimed GPUs fails here, before any load
     with store_in_use(ArtifactStore(store)):  # `eagle3 artifacts gc` refuses to run meanwhile
-        regenerated = baselines = hidden_states = vocab = draft = checkpoint = evaluation = None
 
-        def lineage() -> RunLineage:
-            produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, baselines, evaluation]
-            return publish_lineage_task(store, [m for m in produced if m is not None], config)
+        def stopped(step: str, *produced: ArtifactManifest | None, **result) -> PipelineResult:
+            lineage = publish_lineage_task(store, [m for m in produced if m is not None], config)
+            return PipelineResult(lineage=lineage, stopped_after=step, **result)
 
         verifier = resolve_verifier_task(store, config.verifier, verifier_source(config.verifier))
-        prompts = eval_prompts_source(config.evaluate)
+        prompts, baselines = eval_prompts_source(config.evaluate), None
         if config.evaluate.backend == "transformers" and config.stop_after is None:  # first: they need no draft
             baselines = measure_baselines_task(store, config.evaluate, verifier, prompts, config.verifier)
-        source = dataset_source(config.dataset)
+        source, regenerated = dataset_source(config.dataset), None
         if config.regenerate.enabled:
             regenerated = regenerate_task(store, config.regenerate, source, verifier, config.verifier)
             source = regenerated_conversations(regenerated)
         dataset = prepare_dataset_task(store, config.dataset, source, verifier)
         if config.stop_after == "dataset":
-            return PipelineResult(lineage=lineage(), stopped_after="dataset")
+            return stopped("dataset", verifier, regenerated, dataset)
+        hidden_states: HiddenStatesManifest
         if config.train.hidden_states == "online":  # computed while the draft trains: none stored
-            hidden_states: HiddenStatesManifest = online_states_task(store, config.extract, dataset, verifier)
+            hidden_states = online_states_task(store, config.extract, dataset, verifier)
         else:
             hidden_states = extract_hidden_states_task(store, config.extract, dataset, verifier, config.verifier)
         if config.stop_after == "hidden_states":
-            return PipelineResult(lineage=lineage(), stopped_after="hidden_states")
+            return stopped("hidden_states", verifier, regenerated, dataset, hidden_states)
         vocab = build_vocab_mapping_task(store, config.vocab, dataset, verifier)
         init = None
         if config.train.init_from == "previous":
@@ -83,7 +84,9 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
         draft = train_draft_task(store, config.train, dataset, hidden_states, vocab, verifier, init)
         checkpoint = export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
         if config.stop_after == "checkpoint":
-            return PipelineResult(lineage=lineage(), stopped_after="checkpoint", checkpoint=checkpoint)
+            return stopped("checkpoint", verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, checkpoint=checkpoint)
         evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, prompts, baselines, config.verifier)
         promotion = promote_task(store, config.promotion, evaluation)
-        return PipelineResult(lineage=lineage(), checkpoint=checkpoint, evaluation=evaluation, promotion=promotion)
+        produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, baselines, evaluation]
+        lineage = publish_lineage_task(store, [m for m in produced if m is not None], config)
+    return PipelineResult(lineage=lineage, checkpoint=checkpoint, evaluation=evaluation, promotion=promotion)

@@ -44,8 +44,9 @@ def cold_import(repeats: int) -> dict:
         start = time.monotonic()
         subprocess.run([sys.executable, "-c", "import flows.train_draft"], cwd=ROOT, check=True)
         seconds.append(time.monotonic() - start)
-    trace = subprocess.run([sys.executable, "-X", "importtime", "-c", "import flows.train_draft"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stderr
+    trace = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import flows.train_draft"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stderr
     imported = {line.rsplit("|", 1)[1].strip() for line in trace.splitlines() if "|" in line}
     return {"median_s": statistics.median(seconds), "runs_s": seconds, "heavy_imported": [m for m in HEAVY if m in imported]}
 
@@ -82,13 +83,19 @@ def main() -> None:
             persistent = cached_reruns(run, home, logs, args.repeats, api_url)
         temporary = cached_reruns(run, home, logs, args.repeats, None)
         result = {
-            "git": git_sha(), "cpus": os.cpu_count(), "load_average_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+            "git": git_sha(),
+            "cpus": os.cpu_count(),
+            "load_average_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
             "versions": {name: version(name) for name in ("prefect", "torch", "transformers", "speculators")},
-            "first_run_s": round(first.seconds, 1), "cold_import": imports, "cached_rerun_persistent_server": persistent,
+            "first_run_s": round(first.seconds, 1),
+            "cold_import": imports,
+            "cached_rerun_persistent_server": persistent,
             "cached_rerun_temporary_server": temporary,
         }
-    print(f"{result['cpus']} CPUs, load average {result['load_average_1m'][0]} before, {result['load_average_1m'][1]} after; "
-          f"git {result['git']}; median of {args.repeats}")
+    print(
+        f"{result['cpus']} CPUs, load average {result['load_average_1m'][0]} before, {result['load_average_1m'][1]} after; "
+        f"git {result['git']}; median of {args.repeats}"
+    )
     print(f"  {'what':<44} {'seconds':>8}")
     print(f"  {'cold import of the flow':<44} {imports['median_s']:>8.1f}   heavy packages imported: {imports['heavy_imported'] or 'none'}")
     print(f"  {'cached rerun, persistent server':<44} {persistent['median_s']:>8.1f}")

@@ -87,11 +87,19 @@ def main() -> None:
     for name, row in rows.items():
         row["speedup"] = reference["seconds"] / row["seconds"]
         row["outputs_equal"] = row["outputs"] == reference["outputs"]
-        print(f"{name:<8} {row['greedy_tokens_per_s']:>13.1f} {row['ngram_tokens_per_s']:>13.1f} {row['verifier_passes_per_s']:>9.1f} "
-              f"{row['speedup']:>10.2f} {row['outputs_equal']!s:>18}")
+        print(
+            f"{name:<8} {row['greedy_tokens_per_s']:>13.1f} {row['ngram_tokens_per_s']:>13.1f} {row['verifier_passes_per_s']:>9.1f} "
+            f"{row['speedup']:>10.2f} {row['outputs_equal']!s:>18}"
+        )
     summary = {
-        "device": device_name(on.device), "prompts": str(source), "num_prompts": len(timed), "max_new_tokens": args.max_new_tokens,
-        "k": args.k, "dtype": args.dtype, "torch": torch.__version__, "transformers": transformers.__version__,
+        "device": device_name(on.device),
+        "prompts": str(source),
+        "num_prompts": len(timed),
+        "max_new_tokens": args.max_new_tokens,
+        "k": args.k,
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "forwards": {name: {key: value for key, value in row.items() if key != "outputs"} for name, row in rows.items()},
     }
     print(json.dumps(summary))

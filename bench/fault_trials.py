@@ -191,17 +191,23 @@ def main() -> None:
         reference = (reference_store, artifacts_by_kind(reference_store, newest_run_record(reference_store)))
         phases = list(PHASES)
         rows = []
-        print(f"{'#':>3} {'phase':<11} {'signal':<20} {'delay s':>7} {'exit':>5} {'exit s':>6} {'outlived':>8} "
-              f"{'restart':>7} {'restart s':>9} {'verify':<8} differs", flush=True)
+        print(
+            f"{'#':>3} {'phase':<11} {'signal':<20} {'delay s':>7} {'exit':>5} {'exit s':>6} {'outlived':>8} "
+            f"{'restart':>7} {'restart s':>9} {'verify':<8} differs",
+            flush=True,
+        )
         for n in range(args.trials):
             phase = phases[n % len(phases)]
             how = rng.choice(("SIGKILL", "SIGTERM")) if phase == "server" else rng.choice(SIGNALS)
             row = trial(n, phase, how, rng, inputs, work, home, reference)
             rows.append(row)
-            print(f"{n:>3} {phase:<11} {how:<20} {row['delay_s']:>7} {row.get('exit', '-')!s:>5} {row.get('exit_s', '-')!s:>6} "
-                  f"{row.get('outlived', '-')!s:>8} {row['restart_exit']:>7} {row['restart_s']:>9} "
-                  f"{'ok' if row['sound'] else 'DAMAGED':<8} {row['differs'] if row['differs'] is not None else '-'}"
-                  + (f"  ({row['killed']})" if "killed" in row else ""), flush=True)
+            print(
+                f"{n:>3} {phase:<11} {how:<20} {row['delay_s']:>7} {row.get('exit', '-')!s:>5} {row.get('exit_s', '-')!s:>6} "
+                f"{row.get('outlived', '-')!s:>8} {row['restart_exit']:>7} {row['restart_s']:>9} "
+                f"{'ok' if row['sound'] else 'DAMAGED':<8} {row['differs'] if row['differs'] is not None else '-'}"
+                + (f"  ({row['killed']})" if "killed" in row else ""),
+                flush=True,
+            )
     totals = {
         "trials": len(rows),
         "completed": sum(r["completed"] for r in rows),
@@ -212,8 +218,15 @@ def main() -> None:
         "exit_s_max": max((r["exit_s"] for r in rows if "exit_s" in r), default=None),
     }
     print("  ".join(f"{k}: {v}" for k, v in totals.items()))
-    result = {"git": git_sha(), "cpus": os.cpu_count(), "seed": args.seed, "uninterrupted_s": round(first.seconds, 1),
-              "versions": {name: version(name) for name in ("prefect", "torch", "speculators")}, "totals": totals, "trials": rows}
+    result = {
+        "git": git_sha(),
+        "cpus": os.cpu_count(),
+        "seed": args.seed,
+        "uninterrupted_s": round(first.seconds, 1),
+        "versions": {name: version(name) for name in ("prefect", "torch", "speculators")},
+        "totals": totals,
+        "trials": rows,
+    }
     line = json.dumps(result)
     print(line)
     if args.json:

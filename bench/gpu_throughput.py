@@ -69,8 +69,14 @@ def build_verifier(root: Path, layers: int) -> VerifierManifest:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
         tie_word_embeddings=False,
     )
     with torch.device("cuda"):
@@ -88,12 +94,25 @@ def build_dataset(root: Path, samples: int, seq_len: int) -> DatasetManifest:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128000, (samples, seq_len), generator=g).tolist()
     pq.write_table(
-        pa.table({"input_ids": ids, "loss_mask": [[1] * seq_len] * samples, "seq_len": [seq_len] * samples,
-                  "record_id": [str(i) for i in range(samples)]}),
+        pa.table(
+            {
+                "input_ids": ids,
+                "loss_mask": [[1] * seq_len] * samples,
+                "seq_len": [seq_len] * samples,
+                "record_id": [str(i) for i in range(samples)],
+            }
+        ),
         root / "data-00000.parquet",
     )
-    return DatasetManifest(path=root, num_records=samples, num_tokens=samples * seq_len, num_supervised_tokens=0,
-                           num_truncated=0, dropped={}, files=["data-00000.parquet"])
+    return DatasetManifest(
+        path=root,
+        num_records=samples,
+        num_tokens=samples * seq_len,
+        num_supervised_tokens=0,
+        num_truncated=0,
+        dropped={},
+        files=["data-00000.parquet"],
+    )
 
 
 @torch.inference_mode()
@@ -215,8 +234,7 @@ def run(args, root: Path) -> None:
     del model
     torch.cuda.empty_cache()
 
-    cfg = ExtractConfig(aux_layer_ids=aux, records_per_shard=args.samples, device="cuda",
-                        prefill_batch_tokens=args.prefill_batch_tokens)
+    cfg = ExtractConfig(aux_layer_ids=aux, records_per_shard=args.samples, device="cuda", prefill_batch_tokens=args.prefill_batch_tokens)
     start = time.perf_counter()
     manifest = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(root / "store"), Provenance())
     pipeline_s = time.perf_counter() - start
@@ -226,24 +244,41 @@ def run(args, root: Path) -> None:
 
     result = {
         "git_sha": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None,
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-        "shape": {"layers": n, "hidden": 4096, "params": params, "samples": args.samples, "seq_len": args.seq_len,
-                  "prefill_batch_tokens": args.prefill_batch_tokens},
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "shape": {
+            "layers": n,
+            "hidden": 4096,
+            "params": params,
+            "samples": args.samples,
+            "seq_len": args.seq_len,
+            "prefill_batch_tokens": args.prefill_batch_tokens,
+        },
         "matmul_peak_tflops": peak,
         "verifier_load_s": load_s,
-        "compute_tok_s": compute_tps, "compute_mfu": 2 * params * compute_tps / (peak * 1e12),
-        "pipeline_tok_s": pipeline_tps, "pipeline_mfu": 2 * params * pipeline_tps / (peak * 1e12),
-        "pipeline_total_s": pipeline_s, "pipeline_vs_naive": pipeline_tps / naive_tps,
+        "compute_tok_s": compute_tps,
+        "compute_mfu": 2 * params * compute_tps / (peak * 1e12),
+        "pipeline_tok_s": pipeline_tps,
+        "pipeline_mfu": 2 * params * pipeline_tps / (peak * 1e12),
+        "pipeline_total_s": pipeline_s,
+        "pipeline_vs_naive": pipeline_tps / naive_tps,
         "naive_tok_s": naive_tps,
-        "copy_only_tok_s": copy_tps, "write_only_tok_s": write_tps,
+        "copy_only_tok_s": copy_tps,
+        "write_only_tok_s": write_tps,
         "slowest_stage_tok_s": min(compute_tps, copy_tps, write_tps),
         "pipeline_vs_compute": pipeline_tps / compute_tps,
         "pipeline_vs_slowest_stage": pipeline_tps / min(compute_tps, copy_tps, write_tps),
-        "per_batch_s": {"compute": batch_tokens / compute_tps, "host_copy": batch_tokens / copy_tps, "file_writes": batch_tokens / write_tps},
+        "per_batch_s": {
+            "compute": batch_tokens / compute_tps,
+            "host_copy": batch_tokens / copy_tps,
+            "file_writes": batch_tokens / write_tps,
+        },
         "batch_bytes": batch_tokens * 4 * 4096 * 2,
         "hidden_state_gb_s_needed_at_compute_rate": compute_tps * bytes_per_token / 1e9,
         "disk_write_gb_s": disk,
-        "tokens": tokens, "backoffs": len(manifest.backoffs),
+        "tokens": tokens,
+        "backoffs": len(manifest.backoffs),
     }
     rows = [
         ("bf16 matmul peak", f"{peak:.0f} TFLOP/s"),
@@ -255,8 +290,10 @@ def run(args, root: Path) -> None:
         ("pipeline / compute", f"{result['pipeline_vs_compute']:.2f}"),
         ("pipeline / slowest stage alone", f"{result['pipeline_vs_slowest_stage']:.2f}"),
         ("pipeline / naive", f"{result['pipeline_vs_naive']:.2f}x"),
-        ("one batch: compute / copy / write", " / ".join(f"{v * 1e3:.0f}" for v in result["per_batch_s"].values())
-         + f" ms ({result['batch_bytes'] / 1e9:.2f} GB)"),
+        (
+            "one batch: compute / copy / write",
+            " / ".join(f"{v * 1e3:.0f}" for v in result["per_batch_s"].values()) + f" ms ({result['batch_bytes'] / 1e9:.2f} GB)",
+        ),
         ("hidden states at compute rate", f"{result['hidden_state_gb_s_needed_at_compute_rate']:.2f} GB/s"),
         ("disk write (fsync)", f"{disk:.2f} GB/s"),
     ]

@@ -69,8 +69,10 @@ def eval_prompts(name: str, cfg: PipelineConfig, trained: int | None, data: Path
     lines = _lines(data / "instructions_train.jsonl")
     wanted, trained = cfg.evaluate.num_prompts, trained or len(lines)
     if len(lines) < trained + wanted:
-        raise SystemExit(f"heldout: instructions_train.jsonl has {len(lines)} records; the run trains on the first "
-                         f"{trained}, so it needs {trained + wanted} to hold {wanted} out")
+        raise SystemExit(
+            f"heldout: instructions_train.jsonl has {len(lines)} records; the run trains on the first "
+            f"{trained}, so it needs {trained + wanted} to hold {wanted} out"
+        )
     path = store.with_name(f"{store.name}-heldout-prompts.jsonl")
     path.write_text("\n".join(lines[-wanted:]) + "\n")
     return path
@@ -117,8 +119,12 @@ def with_extra_training_prompts(cfg: PipelineConfig, extra: dict[str, int], data
         lines += _lines(source)[:count]
     random.Random(0).shuffle(lines)
     path.write_text("\n".join(lines) + "\n")
-    return cfg.model_copy(update={"dataset": cfg.dataset.model_copy(update={"path": str(path)}),
-                                  "regenerate": cfg.regenerate.model_copy(update={"max_records": None})})
+    return cfg.model_copy(
+        update={
+            "dataset": cfg.dataset.model_copy(update={"path": str(path)}),
+            "regenerate": cfg.regenerate.model_copy(update={"max_records": None}),
+        }
+    )
 
 
 def sharegpt_prompts(store: Path) -> Path:
@@ -157,17 +163,25 @@ def verifier_prompts(cfg: PipelineConfig, store: Path, count: int, data: Path, b
     marker = "\u0000"
     template = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
     prefix = tokenizer(template[: template.index(marker)], return_tensors="pt", add_special_tokens=False).input_ids.to(device)
-    turn_end = tokenizer(template[template.index(marker) + 1:], add_special_tokens=False).input_ids[0]
+    turn_end = tokenizer(template[template.index(marker) + 1 :], add_special_tokens=False).input_ids[0]
     ends = eos_token_ids(tokenizer, model) | {turn_end}
     excluded = {p.strip() for name in ("mt_bench", "gsm8k") for p in read_prompts(data / EVAL_SETS[name], 10**6)}
     torch.manual_seed(0)
     prompts: dict[str, None] = {}
     while len(prompts) < count:
         with torch.no_grad():
-            out = model.generate(prefix.expand(batch_size, -1), attention_mask=torch.ones_like(prefix).expand(batch_size, -1),
-                                 do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=128,
-                                 eos_token_id=sorted(ends), pad_token_id=tokenizer.pad_token_id or sorted(ends)[0])
-        for row in out[:, prefix.shape[1]:].tolist():
+            out = model.generate(
+                prefix.expand(batch_size, -1),
+                attention_mask=torch.ones_like(prefix).expand(batch_size, -1),
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=128,
+                eos_token_id=sorted(ends),
+                pad_token_id=tokenizer.pad_token_id or sorted(ends)[0],
+            )
+        for row in out[:, prefix.shape[1] :].tolist():
             ended = next((i for i, t in enumerate(row) if t in ends), None)
             text = tokenizer.decode(row[:ended], skip_special_tokens=True).strip() if ended is not None else ""
             if text and text not in excluded:
@@ -226,13 +240,20 @@ def eval_row(evaluation: dict, baseline: dict | None) -> dict:
         "draft_token_accuracy": round(accuracy, 3) if accuracy is not None else None,
         "draft_vocab_coverage": round(coverage, 3) if coverage is not None else None,
         **{f"{r['method']}_k{r['k']}": round(r["tau"], 3) for r in evaluation["results"]},
-        **{f"{r['method']}_k{r['k']}_se": round(r["tau_standard_error"], 3) for r in evaluation["results"]
-           if r.get("tau_standard_error") is not None},
+        **{
+            f"{r['method']}_k{r['k']}_se": round(r["tau_standard_error"], 3)
+            for r in evaluation["results"]
+            if r.get("tau_standard_error") is not None
+        },
         **{f"eagle3_k{g['k']}_gain": round(g["gain"], 3) for g in evaluation.get("gains_over_ngram") or [] if g["gain"] is not None},
-        **{f"eagle3_k{g['k']}_gain_se": round(g["standard_error"], 3) for g in evaluation.get("gains_over_ngram") or []
-           if g["standard_error"] is not None},
-        "eagle3_k3_accepted_by_position": [round(a, 3) for r in evaluation["results"]
-                                           if (r["method"], r["k"]) == ("eagle3", 3) for a in r["acceptance_by_position"]],
+        **{
+            f"eagle3_k{g['k']}_gain_se": round(g["standard_error"], 3)
+            for g in evaluation.get("gains_over_ngram") or []
+            if g["standard_error"] is not None
+        },
+        "eagle3_k3_accepted_by_position": [
+            round(a, 3) for r in evaluation["results"] if (r["method"], r["k"]) == ("eagle3", 3) for a in r["acceptance_by_position"]
+        ],
         "tau_sim": round(evaluation["tau_sim"], 3),
         "eval_seconds": round(evaluation.get("seconds") or 0.0, 1),
         "baseline_seconds": round(baseline.get("seconds") or 0.0, 1) if baseline else None,
@@ -267,13 +288,19 @@ def category_rows(draft: list, ngram: list, categories: list[str], k: int) -> di
         gain, error = gain_over(draft_counts, ngram_counts)
         if gain is None:  # no verifier pass: every answer one token long
             continue
-        rows[category] = {"prompts": len(draft_counts), f"eagle3_k{k}": round(tau_from_counts(draft_counts), 3),
-                          f"ngram_k{k}": round(tau_from_counts(ngram_counts), 3), f"eagle3_k{k}_gain": round(gain, 3),
-                          f"eagle3_k{k}_gain_se": None if error is None else round(error, 3)}
+        rows[category] = {
+            "prompts": len(draft_counts),
+            f"eagle3_k{k}": round(tau_from_counts(draft_counts), 3),
+            f"ngram_k{k}": round(tau_from_counts(ngram_counts), 3),
+            f"eagle3_k{k}_gain": round(gain, 3),
+            f"eagle3_k{k}_gain_se": None if error is None else round(error, 3),
+        }
     return rows
 
 
-def summarize(args: argparse.Namespace, cfg: PipelineConfig, mix: dict[str, int], manifests: dict[str, dict], rows: dict[str, dict]) -> dict:
+def summarize(
+    args: argparse.Namespace, cfg: PipelineConfig, mix: dict[str, int], manifests: dict[str, dict], rows: dict[str, dict]
+) -> dict:
     """The benchmark's record: the configuration that ran, training data and how training went
     (from the first run's manifests), one row per eval set."""
     dataset, draft = manifests["dataset"], manifests["draft"]
@@ -287,8 +314,10 @@ def summarize(args: argparse.Namespace, cfg: PipelineConfig, mix: dict[str, int]
         "supervised_tokens": dataset["num_supervised_tokens"],
         "epochs": len(draft["epochs"]),
         "draft": {  # how training went: validation by epoch, speed, where its wall time went
-            "by_epoch": [{k: round(v, 3) for k, v in e.items() if k in ("epoch", "val_loss", "tau_sim", "full_acc_0", "full_acc_1", "full_acc_2")}
-                         for e in draft["epochs"]],
+            "by_epoch": [
+                {k: round(v, 3) for k, v in e.items() if k in ("epoch", "val_loss", "tau_sim", "full_acc_0", "full_acc_1", "full_acc_2")}
+                for e in draft["epochs"]
+            ],
             "num_steps": draft["num_steps"],
             "tokens_per_s": round(draft["tokens_per_s"]) if draft.get("tokens_per_s") else None,
             "time_breakdown_s": draft.get("time_breakdown_s"),
@@ -309,19 +338,39 @@ def print_categories(title: str, categories: dict[str, dict]) -> None:
 
 
 def print_summary(summary: dict) -> None:
-    print(f"\nsize {summary['size']}, mix {summary['training_mix']}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
-          f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs")
-    columns = ["tau_sim", "eagle3_k3", "eagle3_k3_se", "ngram_k3", "ngram_k3_se", "eagle3_k3_gain", "eagle3_k3_gain_se", "eagle3_k5",
-               "ngram_k5", "eagle3_k5_gain", "draft_token_accuracy", "draft_vocab_coverage", "prompts", "tokens", "mismatches",
-               "baseline_seconds", "eval_seconds"]
+    print(
+        f"\nsize {summary['size']}, mix {summary['training_mix']}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
+        f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs"
+    )
+    columns = [
+        "tau_sim",
+        "eagle3_k3",
+        "eagle3_k3_se",
+        "ngram_k3",
+        "ngram_k3_se",
+        "eagle3_k3_gain",
+        "eagle3_k3_gain_se",
+        "eagle3_k5",
+        "ngram_k5",
+        "eagle3_k5_gain",
+        "draft_token_accuracy",
+        "draft_vocab_coverage",
+        "prompts",
+        "tokens",
+        "mismatches",
+        "baseline_seconds",
+        "eval_seconds",
+    ]
     filled = [c for c in columns if any(row.get(c) is not None for row in summary["eval"].values())]  # no empty columns
     print(markdown_table("eval set", summary["eval"], filled))
     for name, row in summary["eval"].items():
         if categories := row.get("by_category"):
             print_categories(name, categories)
     print("\nwall seconds per step (first run): " + ", ".join(f"{k} {v}" for k, v in summary["step_seconds"].items()))
-    print(f"training: {summary['draft']['num_steps']} steps, median {summary['draft']['tokens_per_s']} tok/s, "
-          f"seconds by phase {summary['draft']['time_breakdown_s']}; by epoch {summary['draft']['by_epoch']}")
+    print(
+        f"training: {summary['draft']['num_steps']} steps, median {summary['draft']['tokens_per_s']} tok/s, "
+        f"seconds by phase {summary['draft']['time_breakdown_s']}; by epoch {summary['draft']['by_epoch']}"
+    )
 
 
 def main() -> None:
@@ -329,18 +378,40 @@ def main() -> None:
     parser.add_argument("--data", type=Path, required=True, help="directory with the three JSONL files")
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--store", type=Path, default=Path("bench-quality-store"), help="artifact store (reused across runs)")
-    parser.add_argument("--eval-sets", nargs="+", choices=sorted(EVAL_SETS), default=DEFAULT_EVAL_SETS,
-                        help="evaluate on these (a later run with the same store reuses every other step)")
-    parser.add_argument("--eval", nargs="+", default=[], metavar="NAME=FILE",
-                        help="also evaluate on a prompt file of your own (`prompt`, MT-bench `turns`, `question` or `messages`)")
-    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="override the size's settings, e.g. train.epochs=20 regenerate.max_records=4000")
-    parser.add_argument("--add-train", nargs="+", default=[], metavar="SET=N",
-                        help="also train on the first N prompts of SET: " + ", ".join(EXTRA_TRAIN_SETS))
+    parser.add_argument(
+        "--eval-sets",
+        nargs="+",
+        choices=sorted(EVAL_SETS),
+        default=DEFAULT_EVAL_SETS,
+        help="evaluate on these (a later run with the same store reuses every other step)",
+    )
+    parser.add_argument(
+        "--eval",
+        nargs="+",
+        default=[],
+        metavar="NAME=FILE",
+        help="also evaluate on a prompt file of your own (`prompt`, MT-bench `turns`, `question` or `messages`)",
+    )
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override the size's settings, e.g. train.epochs=20 regenerate.max_records=4000",
+    )
+    parser.add_argument(
+        "--add-train",
+        nargs="+",
+        default=[],
+        metavar="SET=N",
+        help="also train on the first N prompts of SET: " + ", ".join(EXTRA_TRAIN_SETS),
+    )
     parser.add_argument("--json", type=Path, help="also write the results here (after every eval set)")
-    parser.add_argument("--from-store", action="store_true",
-                        help="run nothing: report the latest run the store recorded for each eval set (a run cut short "
-                             "reports the sets it finished)")
+    parser.add_argument(
+        "--from-store",
+        action="store_true",
+        help="run nothing: report the latest run the store recorded for each eval set (a run cut short reports the sets it finished)",
+    )
     args = parser.parse_args()
     extra = _extra_train_sets(args.add_train, parser)
     own_eval_sets = _named_files(args.eval, parser)

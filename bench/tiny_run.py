@@ -32,9 +32,20 @@ def make_inputs(work: Path) -> tuple[Path, Path]:
 
 
 def run_args(store: Path, verifier: Path, conversations: Path) -> list[str]:
-    return ["run", f"store_dir={store}", f"verifier.path={verifier}", f"dataset.path={conversations}", "dataset.max_seq_len=256",
-            "extract.aux_layer_ids=[1,2,3]", "vocab.draft_vocab_size=512", "train.epochs=1", "train.total_seq_len=512",
-            "evaluate.num_prompts=1", "evaluate.max_new_tokens=8", "evaluate.ks=[3]"]
+    return [
+        "run",
+        f"store_dir={store}",
+        f"verifier.path={verifier}",
+        f"dataset.path={conversations}",
+        "dataset.max_seq_len=256",
+        "extract.aux_layer_ids=[1,2,3]",
+        "vocab.draft_vocab_size=512",
+        "train.epochs=1",
+        "train.total_seq_len=512",
+        "evaluate.num_prompts=1",
+        "evaluate.max_new_tokens=8",
+        "evaluate.ks=[3]",
+    ]
 
 
 def _env(prefect_home: Path, api_url: str | None) -> dict[str, str]:
@@ -47,8 +58,14 @@ def start_cli(args: list[str], prefect_home: Path, log: Path, api_url: str | Non
     """`eagle3 <args>` started in its own process group (a signal to the group reaches it and its
     children, not this script), output to `log`."""
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "eagle3.cli", *args], cwd=ROOT, env=_env(prefect_home, api_url),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "eagle3.cli", *args],
+            cwd=ROOT,
+            env=_env(prefect_home, api_url),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 @dataclass
@@ -80,8 +97,12 @@ class started_server:
         import urllib.request
 
         log = open(self.home / "server.log", "w")
-        self.process = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-                                        env=_env(self.home, None), stdout=log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=_env(self.home, None),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 300
         while True:
             try:
@@ -99,7 +120,9 @@ class started_server:
 
 def git_sha() -> str:
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     return sha + ("+uncommitted" if dirty else "")
 
 

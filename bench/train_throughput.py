@@ -60,14 +60,23 @@ def build_verifier(root: Path, layers: int) -> VerifierManifest:
     from tokenizers.models import WordLevel
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=VOCAB, max_position_embeddings=8192, rope_theta=500000.0,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=VOCAB,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
     with torch.device("cuda"):
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(root)
     words = {"<unk>": 0, "<pad>": 1, "<mask>": 2}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(words, unk_token="<unk>")), unk_token="<unk>",
-                            pad_token="<pad>", mask_token="<mask>").save_pretrained(root)
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(words, unk_token="<unk>")), unk_token="<unk>", pad_token="<pad>", mask_token="<mask>"
+    ).save_pretrained(root)
     torch.cuda.empty_cache()
     return VerifierManifest(path=root, num_hidden_layers=layers, hidden_size=4096, vocab_size=VOCAB, nested=False)
 
@@ -75,13 +84,28 @@ def build_verifier(root: Path, layers: int) -> VerifierManifest:
 def build_dataset(root: Path, samples: int, seq_len: int) -> DatasetManifest:
     root.mkdir(parents=True)
     ids = torch.randint(0, 128000, (samples, seq_len), generator=torch.Generator().manual_seed(0))
-    pq.write_table(pa.table({"input_ids": ids.tolist(), "loss_mask": [[1] * seq_len] * samples,
-                             "seq_len": [seq_len] * samples, "record_id": [str(i) for i in range(samples)]}),
-                   root / "data-00000.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "input_ids": ids.tolist(),
+                "loss_mask": [[1] * seq_len] * samples,
+                "seq_len": [seq_len] * samples,
+                "record_id": [str(i) for i in range(samples)],
+            }
+        ),
+        root / "data-00000.parquet",
+    )
     tokens, counts = ids.unique(return_counts=True)
     pq.write_table(pa.table({"token_id": tokens.tolist(), "count": counts.tolist()}), root / "token_freq.parquet")
-    return DatasetManifest(path=root, num_records=samples, num_tokens=samples * seq_len, num_supervised_tokens=samples * seq_len,
-                           num_truncated=0, dropped={}, files=["data-00000.parquet"])
+    return DatasetManifest(
+        path=root,
+        num_records=samples,
+        num_tokens=samples * seq_len,
+        num_supervised_tokens=samples * seq_len,
+        num_truncated=0,
+        dropped={},
+        files=["data-00000.parquet"],
+    )
 
 
 class PeakMemory:
@@ -95,8 +119,9 @@ class PeakMemory:
 
     def _poll(self) -> None:
         while not self._stop.is_set():
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                                 capture_output=True, text=True).stdout
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"], capture_output=True, text=True
+            ).stdout
             self.peak = max(self.peak, int(out.strip() or 0))
             self._stop.wait(0.2)
 
@@ -153,7 +178,9 @@ def main() -> None:
     verifier = build_verifier(root / "verifier", args.layers)
     dataset = build_dataset(root / "dataset", args.samples, args.seq_len)
     aux = [1, args.layers // 2, args.layers - 1]
-    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=aux, device="cuda"), dataset, verifier, store, Provenance(), claim=fixed_devices(["0"]))
+    hidden = extract_hidden_states(
+        ExtractConfig(aux_layer_ids=aux, device="cuda"), dataset, verifier, store, Provenance(), claim=fixed_devices(["0"])
+    )
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=args.draft_vocab_size), dataset, VOCAB, store, Provenance())
     cfg = TrainConfig(epochs=args.epochs, total_seq_len=args.total_seq_len, device="cuda")
 
@@ -161,36 +188,80 @@ def main() -> None:
     with PeakMemory() as pipeline_memory:
         draft = train_draft(cfg, dataset, hidden, vocab, verifier, store, Provenance(), claim=fixed_devices(["0"]))
     pipeline_s = time.perf_counter() - start
-    print(f"pipeline: {draft.tokens_per_s:,.0f} tok/s/GPU, {draft.num_steps} steps, {pipeline_s:.1f} s, "
-          f"peak {pipeline_memory.peak:,} MiB; seconds by phase {draft.time_breakdown_s}", flush=True)
+    print(
+        f"pipeline: {draft.tokens_per_s:,.0f} tok/s/GPU, {draft.num_steps} steps, {pipeline_s:.1f} s, "
+        f"peak {pipeline_memory.peak:,} MiB; seconds by phase {draft.time_breakdown_s}",
+        flush=True,
+    )
 
     work = root / "direct"
     work.mkdir()
     _speculators_data_dir(work, dataset, hidden)
-    spec = TrainSpec(cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=aux, hidden_size=4096, vocab=vocab,
-                     total_seq_len=args.total_seq_len, device="cuda")
+    spec = TrainSpec(
+        cfg=cfg,
+        work=work,
+        verifier_path=verifier.path,
+        aux_layer_ids=aux,
+        hidden_size=4096,
+        vocab=vocab,
+        total_seq_len=args.total_seq_len,
+        device="cuda",
+    )
     (work / "spec.json").write_text(spec.model_dump_json())
     start, started_at = time.perf_counter(), time.time()
     with PeakMemory() as direct_memory:
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                        __file__, "--direct-worker", str(work / "spec.json")], check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=1",
+                __file__,
+                "--direct-worker",
+                str(work / "spec.json"),
+            ],
+            check=True,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+        )
     direct_s = time.perf_counter() - start
     direct_tps = median_tokens_per_s(spec.timing_log)
     direct_steps = sum(1 for line in spec.metrics_log.read_text().splitlines() if "train" in json.loads(line))
 
     result = {
-        "device": subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"], capture_output=True, text=True).stdout.strip(),
+        "device": subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"], capture_output=True, text=True
+        ).stdout.strip(),
         "torch": torch.__version__,
-        "shape": {"hidden": 4096, "verifier_vocab": VOCAB, "draft_vocab": args.draft_vocab_size, "samples": args.samples,
-                  "seq_len": args.seq_len, "epochs": args.epochs, "total_seq_len": args.total_seq_len},
-        "pipeline": {"tokens_per_s": draft.tokens_per_s, "steps": draft.num_steps, "wall_s": pipeline_s, "peak_memory_mib": pipeline_memory.peak,
-                     "seconds_by_phase": draft.time_breakdown_s},
-        "direct": {"tokens_per_s": direct_tps, "steps": direct_steps, "wall_s": direct_s, "peak_memory_mib": direct_memory.peak,
-                   "seconds_by_phase": time_breakdown(spec.timing_log, started_at, time.time())},
+        "shape": {
+            "hidden": 4096,
+            "verifier_vocab": VOCAB,
+            "draft_vocab": args.draft_vocab_size,
+            "samples": args.samples,
+            "seq_len": args.seq_len,
+            "epochs": args.epochs,
+            "total_seq_len": args.total_seq_len,
+        },
+        "pipeline": {
+            "tokens_per_s": draft.tokens_per_s,
+            "steps": draft.num_steps,
+            "wall_s": pipeline_s,
+            "peak_memory_mib": pipeline_memory.peak,
+            "seconds_by_phase": draft.time_breakdown_s,
+        },
+        "direct": {
+            "tokens_per_s": direct_tps,
+            "steps": direct_steps,
+            "wall_s": direct_s,
+            "peak_memory_mib": direct_memory.peak,
+            "seconds_by_phase": time_breakdown(spec.timing_log, started_at, time.time()),
+        },
         "pipeline_over_direct_tokens_per_s": draft.tokens_per_s / direct_tps,
     }
-    print(f"{result['device']}: draft for H4096 / vocab {VOCAB}, draft vocab {args.draft_vocab_size}, "
-          f"{args.samples} x {args.seq_len} tokens, {args.epochs} epochs, batches of {args.total_seq_len} tokens")
+    print(
+        f"{result['device']}: draft for H4096 / vocab {VOCAB}, draft vocab {args.draft_vocab_size}, "
+        f"{args.samples} x {args.seq_len} tokens, {args.epochs} epochs, batches of {args.total_seq_len} tokens"
+    )
     print(f"  {'':<10} {'tok/s/GPU':>10} {'steps':>6} {'wall s':>8} {'peak MiB':>9}")
     for name in ("pipeline", "direct"):
         row = result[name]

@@ -81,9 +81,11 @@ def summarize(entries: list[dict], baseline: Path, prompts: Path | None) -> dict
 
 
 def print_summary(summary: dict) -> None:
-    print(f"{len(summary['prompts'])} of {summary['of_prompts']} prompts finished, measured on {', '.join(summary['measured_on'])}; "
-          f"first-token accuracy {summary['draft_token_accuracy']}, draft vocab coverage {summary['draft_vocab_coverage']}; "
-          f"{summary['mismatches']} decodes differ from greedy")
+    print(
+        f"{len(summary['prompts'])} of {summary['of_prompts']} prompts finished, measured on {', '.join(summary['measured_on'])}; "
+        f"first-token accuracy {summary['draft_token_accuracy']}, draft vocab coverage {summary['draft_vocab_coverage']}; "
+        f"{summary['mismatches']} decodes differ from greedy"
+    )
     columns = ["eagle3", "eagle3_se", "ngram", "ngram_se", "gain", "gain_se", "accepted_by_position", "tokens", "eagle3_tokens_per_s"]
     print(markdown_table("k", summary["by_k"], columns))
     for k, row in summary["by_k"].items():
@@ -94,8 +96,9 @@ def print_summary(summary: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--done", type=Path, required=True, help="the evaluation's done.jsonl (or .gz)")
-    parser.add_argument("--baseline", type=Path, required=True,
-                        help="the finished baselines artifact the evaluation was measuring against (its parent)")
+    parser.add_argument(
+        "--baseline", type=Path, required=True, help="the finished baselines artifact the evaluation was measuring against (its parent)"
+    )
     parser.add_argument("--prompts", type=Path, help="the eval prompts file, for its categories")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()

@@ -29,23 +29,26 @@ def _parser() -> argparse.ArgumentParser:
         "plan", help="print whether the run fits its GPUs and disk, and what it will cost, from configs alone (no weights read)"
     )
     plan.add_argument("--config", help="YAML file shaped like PipelineConfig")
-    plan.add_argument("overrides", nargs="*", help="key.sub=value, as for `eagle3 run` (verifier.gpu_memory_gib=139.8 plans for GPUs this host lacks)")
+    plan.add_argument(
+        "overrides", nargs="*", help="key.sub=value, as for `eagle3 run` (verifier.gpu_memory_gib=139.8 plans for GPUs this host lacks)"
+    )
     server = commands.add_parser(
         "extraction-server", help="print the `vllm serve` command of a server that extracts hidden states (extract.backend=vllm)"
     )
     server.add_argument("--config", help="YAML file shaped like PipelineConfig (its verifier, extract.* and store_dir)")
     server.add_argument("overrides", nargs="*", help="key.sub=value, as for `eagle3 run`")
-    server.add_argument("--storage", help="directory the server writes states to and this host reads "
-                        "(default: extract.served_states_dir, else <store>/served-states)")
     server.add_argument(
-        "--cpu", action="store_true",
+        "--storage",
+        help="directory the server writes states to and this host reads (default: extract.served_states_dir, else <store>/served-states)",
+    )
+    server.add_argument(
+        "--cpu",
+        action="store_true",
         help="for a CPU build of vLLM (run with its environment's python): this package's connector in place of vLLM's CUDA one",
     )
     limit = commands.add_parser("gpu-limit", help="create or resize the Prefect 'gpu' concurrency limit GPU steps claim")
     limit.add_argument("--gpus", type=int, help="slots (default: the GPUs this host sees)")
-    lineage = commands.add_parser(
-        "lineage", help="print a flow run's or an artifact's lineage (Mermaid graph), from the store alone"
-    )
+    lineage = commands.add_parser("lineage", help="print a flow run's or an artifact's lineage (Mermaid graph), from the store alone")
     lineage.add_argument("ref", help="flow run id or artifact digest, or a unique prefix of either")
     lineage.add_argument("--store", help="artifact store directory (default: PipelineConfig's store_dir)")
     lineage.add_argument("--table", action="store_true", help="print a table instead of a Mermaid graph")
@@ -136,8 +139,10 @@ def _verify(args) -> int:
         removed = remove_damaged(store, damaged)
         print(f"removed {len(removed)} artifacts/shards: the next run computes them again")
     elif damaged:
-        print("eagle3 artifacts verify --remove deletes them (and the artifacts listing a damaged shard): the next run computes them again",
-              file=sys.stderr)
+        print(
+            "eagle3 artifacts verify --remove deletes them (and the artifacts listing a damaged shard): the next run computes them again",
+            file=sys.stderr,
+        )
     print(f"checked {checked} artifacts and shards: {len(damaged)} damaged", file=sys.stderr)
     return 1 if damaged else 0
 
@@ -180,8 +185,10 @@ def _promoted(args) -> int:
         print(f"no promoted checkpoint recorded in {store.root / PROMOTIONS}")
     for record in best:
         key = record.key
-        print(f"tau {record.tau:.3f} at k={key.k} (verifier {key.verifier[:12]}, eval prompts {key.prompts[:12]} x{key.num_prompts}, "
-              f"max_new_tokens {key.max_new_tokens}; run {record.run_id}): {record.checkpoint_path}")
+        print(
+            f"tau {record.tau:.3f} at k={key.k} (verifier {key.verifier[:12]}, eval prompts {key.prompts[:12]} x{key.num_prompts}, "
+            f"max_new_tokens {key.max_new_tokens}; run {record.run_id}): {record.checkpoint_path}"
+        )
     return 0
 
 
@@ -206,8 +213,14 @@ def _extraction_server(args) -> int:
     url = urlsplit(endpoint.base_url)
     # The CPU build is not the distribution "vllm", which the `vllm` command looks up: start the module.
     serve = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"] if args.cpu else ["vllm", "serve"]
-    command = [*serve, str(verifier.path), "--served-model-name", endpoint.model or "verifier",
-               "--port", str(url.port or (443 if url.scheme == "https" else 80))]
+    command = [
+        *serve,
+        str(verifier.path),
+        "--served-model-name",
+        endpoint.model or "verifier",
+        "--port",
+        str(url.port or (443 if url.scheme == "https" else 80)),
+    ]
     command += server_args([*aux, verifier.num_hidden_layers], storage, cpu=args.cpu)
     if verifier.trust_remote_code:  # the server tokenizes with the code the run trusts
         command.append("--trust-remote-code")
@@ -331,8 +344,10 @@ def _print_result(result) -> None:
         print(f"checkpoint: {checkpoint.path}")
         print(f"simulated acceptance length (tau_sim): {checkpoint.tau_sim:.3f}")
     if evaluation is None:
-        print(f"stopped after {result.stopped_after} (stop_after): the same command without stop_after goes on from there, "
-              "every finished step cached")
+        print(
+            f"stopped after {result.stopped_after} (stop_after): the same command without stop_after goes on from there, "
+            "every finished step cached"
+        )
     else:
         _print_evaluation(result)
     print(f"{result.lineage.changes} Lineage: eagle3 lineage {result.lineage.run_id}")
@@ -357,6 +372,7 @@ def _print_evaluation(result) -> None:
         print(DEMO_DRAFT_NOTE)
     if result.promotion.promoted:
         print(f"serve it: vllm serve {checkpoint.path}")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -76,20 +76,24 @@ class VerifierConfig(_Group):
         "Kimi's tiktoken tokenizer needs. Only for a directory you trust; the model loads through transformers' own classes.",
     )
     num_gpus: int = Field(
-        1, ge=1,
+        1,
+        ge=1,
         description="GPUs each step that runs the verifier itself (regeneration, extraction, baselines, evaluation) claims "
         "on CUDA. A verifier that fits one GPU regenerates and extracts data-parallel, one replica per GPU; a larger one "
         "is spread over all of them, layer by layer (`eagle3 plan` says which).",
         json_schema_extra=_NO_KEY,
     )
     gpu_memory_fraction: float = Field(
-        0.9, gt=0, le=1,
+        0.9,
+        gt=0,
+        le=1,
         description="Share of each GPU's memory the verifier's weights may take; the rest holds activations, "
         "captured states and the KV cache.",
         json_schema_extra=_NO_KEY,
     )
     gpu_memory_gib: float | None = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="Memory of each GPU in GiB. None: as the driver reports it here (nvidia-smi). Set, steps on device "
         "`auto` are planned as on GPUs (`eagle3 plan`, and a run's check before its first step): planning for GPUs this host lacks.",
         json_schema_extra=_NO_KEY,
@@ -141,7 +145,9 @@ class EndpointConfig(_Group):
     concurrency: int = Field(16, ge=1, description="Requests in flight at once.", json_schema_extra=_NO_KEY)
     timeout_s: float = Field(600.0, gt=0, description="Seconds one request may take.", json_schema_extra=_NO_KEY)
     max_retries: int = Field(
-        3, ge=0, description="Retries of a request that timed out or met a connection or server error.",
+        3,
+        ge=0,
+        description="Retries of a request that timed out or met a connection or server error.",
         json_schema_extra=_NO_KEY,
     )
 
@@ -186,7 +192,6 @@ class RegenerateConfig(_ServerCapableGroup):
     _name: ClassVar[str] = "regenerate"
     _server_backend: ClassVar[str] = "openai"
 
-
     enabled: bool = Field(
         False,
         description="Replace the dataset's assistant turns with the verifier's own answers before "
@@ -207,8 +212,7 @@ class RegenerateConfig(_ServerCapableGroup):
         "e.g. vLLM serving the verifier at scale.",
     )
     endpoint: EndpointConfig = Field(EndpointConfig(), description="The server, for backend 'openai'.")
-    batch_size: int = Field(16, ge=1, description="Conversations generated together (transformers backend).",
-                            json_schema_extra=_NO_KEY)
+    batch_size: int = Field(16, ge=1, description="Conversations generated together (transformers backend).", json_schema_extra=_NO_KEY)
     min_batch_size: int = Field(
         1, ge=1, description="Out-of-memory back-off halves batch_size down to this, then fails.", json_schema_extra=_NO_KEY
     )
@@ -229,22 +233,31 @@ class EngineConfig(_Group):
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="The engine's compute dtype (auto: the checkpoint's). States are stored in bfloat16 either way."
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs each layer is split over (vLLM's tensor parallelism).",
-                                      json_schema_extra=_NO_KEY)
-    pipeline_parallel_size: int = Field(1, ge=1, description="Stages the layers are split into (vLLM's pipeline parallelism).",
-                                        json_schema_extra=_NO_KEY)
-    enable_expert_parallel: bool = Field(False, description="Spread an MoE's experts over the GPUs instead of splitting each.",
-                                         json_schema_extra=_NO_KEY)
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs each layer is split over (vLLM's tensor parallelism).", json_schema_extra=_NO_KEY
+    )
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="Stages the layers are split into (vLLM's pipeline parallelism).", json_schema_extra=_NO_KEY
+    )
+    enable_expert_parallel: bool = Field(
+        False, description="Spread an MoE's experts over the GPUs instead of splitting each.", json_schema_extra=_NO_KEY
+    )
     gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="Share of each GPU's memory the engine may take (CPU build: of host memory that must be free).",
+        0.9,
+        gt=0,
+        le=1,
+        description="Share of each GPU's memory the engine may take (CPU build: of host memory that must be free).",
         json_schema_extra=_NO_KEY,
     )
     max_num_batched_tokens: int | None = Field(
-        None, ge=1, description="Tokens per engine step (vLLM's scheduler budget). None: vLLM's default.",
+        None,
+        ge=1,
+        description="Tokens per engine step (vLLM's scheduler budget). None: vLLM's default.",
         json_schema_extra=_NO_KEY,
     )
     batch_tokens: int = Field(
-        65536, ge=1,
+        65536,
+        ge=1,
         description="Prompt tokens handed to the engine at once; their states wait in host memory until written (about "
         "3 x 8*H bytes a token: 11 GB at H=7168).",
         json_schema_extra=_NO_KEY,
@@ -259,13 +272,23 @@ class EngineConfig(_Group):
     @classmethod
     def _not_set_by_the_step(cls, args: dict[str, Any]) -> dict[str, Any]:
         # The step sets these (capture needs eager mode and no prefix cache), or a field above does.
-        fixed = {"model", "dtype", "trust_remote_code", "max_model_len", "worker_extension_cls", "enforce_eager",
-                 "enable_prefix_caching", "skip_tokenizer_init", *cls.model_fields} - {"python", "batch_tokens", "args"}
+        fixed = {
+            "model",
+            "dtype",
+            "trust_remote_code",
+            "max_model_len",
+            "worker_extension_cls",
+            "enforce_eager",
+            "enable_prefix_caching",
+            "skip_tokenizer_init",
+            *cls.model_fields,
+        } - {"python", "batch_tokens", "args"}
         if taken := sorted(fixed & set(args)):
             raise ValueError(f"{taken} are set by the step or by a field of extract.engine, not through args")
         if "data_parallel_size" in args:
-            raise ValueError("data_parallel_size: one vLLM engine per process; run one extraction per replica (they split "
-                             "the shards) instead")
+            raise ValueError(
+                "data_parallel_size: one vLLM engine per process; run one extraction per replica (they split the shards) instead"
+            )
         return args
 
 
@@ -280,9 +303,7 @@ class ExtractConfig(_ServerCapableGroup):
         "ascending (vLLM hands them to the draft in layer order).",
     )
     records_per_shard: int = Field(256, ge=1, description="Samples per hidden-state shard (the unit of resume).")
-    prefill_batch_tokens: int = Field(
-        8192, ge=1, description="Token budget of one prefill batch (padded).", json_schema_extra=_NO_KEY
-    )
+    prefill_batch_tokens: int = Field(8192, ge=1, description="Token budget of one prefill batch (padded).", json_schema_extra=_NO_KEY)
     min_prefill_batch_tokens: int = Field(
         256, ge=1, description="Out-of-memory back-off halves the budget down to this, then fails.", json_schema_extra=_NO_KEY
     )
@@ -353,11 +374,15 @@ class TrainConfig(_Group):
         json_schema_extra=_NO_KEY,  # the draft it continues from is keyed by digest; none found equals scratch
     )
     min_total_seq_len: int = Field(
-        256, ge=16, json_schema_extra=_NO_KEY,
+        256,
+        ge=16,
+        json_schema_extra=_NO_KEY,
         description="Out-of-memory back-off halves total_seq_len down to this (never below a record's last supervised token), then fails.",
     )
     num_gpus: int = Field(
-        1, ge=1, description="GPUs trained on (data parallel through torchrun; more GPUs, larger global batch). CPU: ignored, and not in the cache key."
+        1,
+        ge=1,
+        description="GPUs trained on (data parallel through torchrun; more GPUs, larger global batch). CPU: ignored, and not in the cache key.",
     )
     fsdp: bool = Field(False, description="Shard the draft with FSDP instead of replicating it (DDP).", json_schema_extra=_NO_KEY)
     device: Device = Field("auto", description="Where the draft trains.", json_schema_extra=_NO_KEY)
@@ -369,7 +394,8 @@ class TrainConfig(_Group):
         json_schema_extra=_NO_KEY,
     )
     online_buffer_gb: float = Field(
-        0.0, ge=0,
+        0.0,
+        ge=0,
         description="train.hidden_states=online: host memory per training process for states kept from one epoch to "
         "the next, in extract.storage precision (first come, first kept); those that do not fit are computed again "
         "each epoch. 0: every epoch computes every state.",
@@ -404,7 +430,8 @@ class EvalConfig(_ServerCapableGroup):
     num_prompts: int = Field(4, ge=1, description="Prompts evaluated (the first N).")
     max_new_tokens: int = Field(64, ge=1, description="Tokens generated per prompt.")
     ks: list[Annotated[int, Field(ge=1)]] = Field(
-        [3, 5], min_length=1,
+        [3, 5],
+        min_length=1,
         description="Draft lengths k to measure tau at (transformers backend; the vllm backend measures the server's k).",
     )
     backend: Literal["transformers", "vllm"] = Field(
@@ -458,9 +485,7 @@ class PipelineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    store_dir: str = Field(
-        str(default_store_dir()), description="Artifact store directory.", json_schema_extra=_NO_KEY
-    )
+    store_dir: str = Field(str(default_store_dir()), description="Artifact store directory.", json_schema_extra=_NO_KEY)
     verifier: VerifierConfig = VerifierConfig()
     dataset: DatasetConfig = DatasetConfig()
     regenerate: RegenerateConfig = RegenerateConfig()
@@ -482,8 +507,10 @@ class PipelineConfig(BaseModel):
     def _online_states_from_the_step(self) -> PipelineConfig:
         # online training runs the verifier in the training process, as the transformers backend does
         if self.train.hidden_states == "online" and self.extract.backend != "transformers":
-            raise ValueError(f"train.hidden_states=online computes states in the training process: it needs "
-                             f"extract.backend=transformers, not '{self.extract.backend}' (or train.hidden_states=offline)")
+            raise ValueError(
+                f"train.hidden_states=online computes states in the training process: it needs "
+                f"extract.backend=transformers, not '{self.extract.backend}' (or train.hidden_states=offline)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -543,13 +570,15 @@ def field_docs(group: BaseModel, prefix: str = "") -> list[FieldDoc]:
             docs.extend(field_docs(value, dotted + "."))
             continue
         default = field.get_default(call_default_factory=True)
-        docs.append(FieldDoc(
-            name=dotted,
-            value=group.model_dump(mode="json", include={name})[name],
-            default=default.model_dump(mode="json") if isinstance(default, BaseModel) else default,
-            cache_key=_cache_key_role(_key_markers(field)),
-            description=field.description or "",
-        ))
+        docs.append(
+            FieldDoc(
+                name=dotted,
+                value=group.model_dump(mode="json", include={name})[name],
+                default=default.model_dump(mode="json") if isinstance(default, BaseModel) else default,
+                cache_key=_cache_key_role(_key_markers(field)),
+                description=field.description or "",
+            )
+        )
     return docs
 
 

@@ -98,15 +98,23 @@ class Plan(BaseModel):
             lines.append(f"  quantized   {self.quantization}")
         if self.gpu_memory_bytes is not None:
             budget = self.gpu_memory_bytes * self.gpu_memory_fraction
-            lines.append(f"GPUs          {self.num_gpus} claimed (verifier.num_gpus), {self.gpu_memory_bytes / GIB:.1f} GiB each "
-                         f"({self.gpu_memory_from}); {budget / GIB:.1f} GiB for weights at verifier.gpu_memory_fraction={self.gpu_memory_fraction}")
-            lines.append(f"  needed      {_count(self.gpus_needed_bf16)} in bfloat16 (transformers), "
-                         f"{_stored_count(self.gpus_needed_as_stored)} as stored (vLLM: weights only, its KV cache needs more)")
+            lines.append(
+                f"GPUs          {self.num_gpus} claimed (verifier.num_gpus), {self.gpu_memory_bytes / GIB:.1f} GiB each "
+                f"({self.gpu_memory_from}); {budget / GIB:.1f} GiB for weights at verifier.gpu_memory_fraction={self.gpu_memory_fraction}"
+            )
+            lines.append(
+                f"  needed      {_count(self.gpus_needed_bf16)} in bfloat16 (transformers), "
+                f"{_stored_count(self.gpus_needed_as_stored)} as stored (vLLM: weights only, its KV cache needs more)"
+            )
         else:
-            lines.append(f"GPUs          none known here (set verifier.gpu_memory_gib to plan for some); at "
-                         f"verifier.gpu_memory_fraction={self.gpu_memory_fraction}, needed:")
+            lines.append(
+                f"GPUs          none known here (set verifier.gpu_memory_gib to plan for some); at "
+                f"verifier.gpu_memory_fraction={self.gpu_memory_fraction}, needed:"
+            )
             for card, (bf16, stored) in self.reference.items():
-                lines.append(f"  {card:<11} {_count(bf16)} in bfloat16 (transformers), {_stored_count(stored)} as stored (vLLM, weights only)")
+                lines.append(
+                    f"  {card:<11} {_count(bf16)} in bfloat16 (transformers), {_stored_count(stored)} as stored (vLLM, weights only)"
+                )
         lines.append("steps")
         for step in self.steps:
             verdict = "" if step.fits else "DOES NOT FIT: "
@@ -118,7 +126,9 @@ class Plan(BaseModel):
             lines.append(f"  size        {per_token_arithmetic(self.hidden_size, self.hidden_state_storage)}")
         if self.dataset_tokens is not None and self.hidden_state_storage != "online":
             total = self.dataset_tokens * self.hidden_state_bytes_per_token
-            lines.append(f"  dataset     {self.dataset_records:,} records, {self.dataset_tokens:,} tokens ({self.tokens_from}): {_size(total)}")
+            lines.append(
+                f"  dataset     {self.dataset_records:,} records, {self.dataset_tokens:,} tokens ({self.tokens_from}): {_size(total)}"
+            )
             if self.store_free_bytes is not None:
                 room = "fits" if total <= self.store_free_bytes else "DOES NOT FIT"
                 lines.append(f"  store       {self.store_dir}: {_size(self.store_free_bytes)} free: {room}")
@@ -202,8 +212,9 @@ class _Sizes:
         return self.needed[dtype, budget]
 
 
-def _in_step(name: str, sizes: _Sizes, dtype: torch.dtype, device: str, config: PipelineConfig, budget: int | None,
-             data_parallel: bool) -> StepPlan:
+def _in_step(
+    name: str, sizes: _Sizes, dtype: torch.dtype, device: str, config: PipelineConfig, budget: int | None, data_parallel: bool
+) -> StepPlan:
     """A step that runs the verifier itself, in `dtype`, on `device`."""
     import torch
 
@@ -253,10 +264,18 @@ def _steps(config: PipelineConfig, sizes: _Sizes, budget: int | None, stored: in
         dtype = getattr(torch, evaluate.dtype)
         steps.append(_in_step("evaluate", sizes, dtype, evaluate.device, config, budget, data_parallel=False))  # the baselines too
     else:
-        steps.append(StepPlan(step="evaluate", route=f"vLLM server {evaluate.endpoint.display_url} ({evaluate.endpoint.model}) serving the draft"))
+        steps.append(
+            StepPlan(step="evaluate", route=f"vLLM server {evaluate.endpoint.display_url} ({evaluate.endpoint.model}) serving the draft")
+        )
     train = config.train
-    steps.append(StepPlan(step="train", route=f"the draft only, {train.num_gpus} GPU(s) (train.num_gpus); the verifier is not loaded"
-                          if _on_gpus(train.device, config) else "the draft only, on the CPU"))
+    steps.append(
+        StepPlan(
+            step="train",
+            route=f"the draft only, {train.num_gpus} GPU(s) (train.num_gpus); the verifier is not loaded"
+            if _on_gpus(train.device, config)
+            else "the draft only, on the CPU",
+        )
+    )
     return steps
 
 
@@ -277,13 +296,22 @@ def _dataset_tokens(config: PipelineConfig, source: Path) -> tuple[int, int, str
     else:
         conversations = [messages for _, messages in read_conversations(data, limit)]
         extra = [0] * len(conversations)
-    sample = range(len(conversations)) if len(conversations) <= TOKEN_SAMPLE else \
-        [round(i * (len(conversations) - 1) / (TOKEN_SAMPLE - 1)) for i in range(TOKEN_SAMPLE)]
+    sample = (
+        range(len(conversations))
+        if len(conversations) <= TOKEN_SAMPLE
+        else [round(i * (len(conversations) - 1) / (TOKEN_SAMPLE - 1)) for i in range(TOKEN_SAMPLE)]
+    )
     if tokenizer is not None:
-        def count(i): return len(tokenizer.apply_chat_template(conversations[i], tokenize=True, return_dict=True)["input_ids"])
+
+        def count(i):
+            return len(tokenizer.apply_chat_template(conversations[i], tokenize=True, return_dict=True)["input_ids"])
+
         how = "tokenized" if len(sample) == len(conversations) else f"estimated from {len(sample)} records tokenized"
     else:
-        def count(i): return sum(len(m["content"]) for m in conversations[i]) // 4
+
+        def count(i):
+            return sum(len(m["content"]) for m in conversations[i]) // 4
+
         how = "estimated at 4 characters a token: no tokenizer here"
     if config.regenerate.enabled:
         how += f", answers at most regenerate.max_new_tokens={config.regenerate.max_new_tokens}"
@@ -336,7 +364,9 @@ def _estimates(config: PipelineConfig, store_dir: Path, source: Path, records: i
         train = config.train
         per_second = draft["tokens_per_s"] * train.num_gpus
         hours = train.epochs * tokens * train.train_data_ratio / per_second / 3600
-        out.append(f"train       {hours:,.1f} h at {draft['tokens_per_s']:,.0f} tok/s per GPU x {train.num_gpus} (artifact {draft['digest'][:12]})")
+        out.append(
+            f"train       {hours:,.1f} h at {draft['tokens_per_s']:,.0f} tok/s per GPU x {train.num_gpus} (artifact {draft['digest'][:12]})"
+        )
     return out
 
 
@@ -364,12 +394,22 @@ def make_plan(config: PipelineConfig, costs: bool = True) -> Plan:
     fraction = config.verifier.gpu_memory_fraction
     budget = int(memory * fraction) if memory else None
     plan = Plan(
-        verifier=str(source), architecture=type(model).__name__, num_parameters=sum(p.numel() for p in model.parameters()),
-        hidden_size=text_config(hf_config).hidden_size, bytes_bf16=placement.model_bytes(model), bytes_stored=stored,
-        stored_from=stored_from, quantization=_quantization(hf_config), gpu_memory_bytes=memory, gpu_memory_from=memory_from,
-        gpu_memory_fraction=fraction, num_gpus=config.verifier.num_gpus, steps=_steps(config, sizes, budget, stored),
+        verifier=str(source),
+        architecture=type(model).__name__,
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        hidden_size=text_config(hf_config).hidden_size,
+        bytes_bf16=placement.model_bytes(model),
+        bytes_stored=stored,
+        stored_from=stored_from,
+        quantization=_quantization(hf_config),
+        gpu_memory_bytes=memory,
+        gpu_memory_from=memory_from,
+        gpu_memory_fraction=fraction,
+        num_gpus=config.verifier.num_gpus,
+        steps=_steps(config, sizes, budget, stored),
         hidden_state_bytes_per_token=bytes_per_token(text_config(hf_config).hidden_size, config.extract.storage),
-        hidden_state_storage="online" if config.train.hidden_states == "online" else config.extract.storage, store_dir=config.store_dir,
+        hidden_state_storage="online" if config.train.hidden_states == "online" else config.extract.storage,
+        store_dir=config.store_dir,
     )
     if budget is not None:
         plan.gpus_needed_bf16 = sizes.gpus(torch.bfloat16, budget)

@@ -55,10 +55,12 @@ def check_preflight(config: PipelineConfig) -> None:
 
 def _remote_code(config: PipelineConfig) -> list[Problem]:
     if config.verifier.trust_remote_code and os.environ.get(REMOTE_CODE_ENV, "").lower() in {"0", "false", "no"}:
-        return [ConfigError(
-            f"verifier.trust_remote_code=true, but {REMOTE_CODE_ENV}={os.environ[REMOTE_CODE_ENV]} here: whoever runs this "
-            "deployment does not run code shipped with a verifier. Use a verifier that needs none, or run it elsewhere."
-        )]
+        return [
+            ConfigError(
+                f"verifier.trust_remote_code=true, but {REMOTE_CODE_ENV}={os.environ[REMOTE_CODE_ENV]} here: whoever runs this "
+                "deployment does not run code shipped with a verifier. Use a verifier that needs none, or run it elsewhere."
+            )
+        ]
     return []
 
 
@@ -70,12 +72,22 @@ def _store(store: Path) -> list[Problem]:
         with tempfile.NamedTemporaryFile(dir=store, prefix=".preflight-"):
             pass
     except OSError as exc:
-        return [ArtifactError(store, f"store_dir is not writable ({exc.strerror}): every step writes its artifacts "
-                                     "there; set store_dir to a directory you may write")]
+        return [
+            ArtifactError(
+                store,
+                f"store_dir is not writable ({exc.strerror}): every step writes its artifacts "
+                "there; set store_dir to a directory you may write",
+            )
+        ]
     free = shutil.disk_usage(store).free
     if free < MIN_FREE_BYTES:
-        return [ArtifactError(store, f"only {free / 2**20:.0f} MiB free on store_dir's filesystem, below the "
-                                     f"{MIN_FREE_BYTES / 2**20:.0f} MiB any run needs: free space or set store_dir elsewhere")]
+        return [
+            ArtifactError(
+                store,
+                f"only {free / 2**20:.0f} MiB free on store_dir's filesystem, below the "
+                f"{MIN_FREE_BYTES / 2**20:.0f} MiB any run needs: free space or set store_dir elsewhere",
+            )
+        ]
     return []
 
 
@@ -120,8 +132,9 @@ def _verifier(config: PipelineConfig) -> list[Problem]:
 
 def _gguf(source: Path) -> list[Problem]:
     if source.suffix != ".gguf":
-        return [ArtifactError(source, "verifier.path is a file but not a .gguf file: set it to a Hugging Face model "
-                                      "directory or a .gguf file")]
+        return [
+            ArtifactError(source, "verifier.path is a file but not a .gguf file: set it to a Hugging Face model directory or a .gguf file")
+        ]
     with open(source, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -145,8 +158,9 @@ def _truncated(path: Path) -> ArtifactError | None:
         return ArtifactError(path, f"not a safetensors file, or truncated in its header ({size} bytes); copy the verifier again")
     end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     if 8 + header_len + end > size:
-        return ArtifactError(path, f"truncated: its header lists {8 + header_len + end} bytes of tensors, the file holds "
-                                   f"{size}; copy the verifier again")
+        return ArtifactError(
+            path, f"truncated: its header lists {8 + header_len + end} bytes of tensors, the file holds {size}; copy the verifier again"
+        )
     return None
 
 
@@ -198,11 +212,16 @@ def _dataset(config: PipelineConfig) -> list[Problem]:
         return []
     needed = next(n for n in range(2, 10_000) if 1 <= int(n * ratio) < n)
     cut = f" (of {count}: dataset.max_records or regenerate.max_records)" if records < count else ""
-    return [ArtifactError(source, (
-        f"{records} record(s) to use{cut}: train.train_data_ratio={ratio:g} splits them {trained} for training and "
-        f"{records - trained} for validation, and each needs at least one. Give at least {needed} records, or change "
-        "train.train_data_ratio"
-    ))]
+    return [
+        ArtifactError(
+            source,
+            (
+                f"{records} record(s) to use{cut}: train.train_data_ratio={ratio:g} splits them {trained} for training and "
+                f"{records - trained} for validation, and each needs at least one. Give at least {needed} records, or change "
+                "train.train_data_ratio"
+            ),
+        )
+    ]
 
 
 def _prompts(config: PipelineConfig) -> list[Problem]:
@@ -214,8 +233,13 @@ def _prompts(config: PipelineConfig) -> list[Problem]:
         return [exc]
     count, problems = _count_records(source, "evaluate.prompts_path")
     if count is not None and count < config.evaluate.num_prompts:
-        return [ArtifactError(source, f"holds {count} prompts, but evaluate.num_prompts is {config.evaluate.num_prompts}: "
-                                      f"set evaluate.num_prompts to at most {count}, or add prompts")]
+        return [
+            ArtifactError(
+                source,
+                f"holds {count} prompts, but evaluate.num_prompts is {config.evaluate.num_prompts}: "
+                f"set evaluate.num_prompts to at most {count}, or add prompts",
+            )
+        ]
     return problems
 
 
@@ -230,7 +254,12 @@ def storage_problem(exc: BaseException | None, store: Path) -> ArtifactError | N
         return None
     where = Path(exc.filename) if exc.filename else store
     if exc.errno in _NO_ROOM:
-        return ArtifactError(where, f"cannot write: {exc.strerror}. Free space on store_dir's filesystem (or set store_dir "
-                                    "elsewhere) and run again: finished steps stay cached")
-    return ArtifactError(where, f"{exc.strerror}: this user may not write there; fix its permissions or set store_dir "
-                                "to a directory you may write, and run again")
+        return ArtifactError(
+            where,
+            f"cannot write: {exc.strerror}. Free space on store_dir's filesystem (or set store_dir "
+            "elsewhere) and run again: finished steps stay cached",
+        )
+    return ArtifactError(
+        where,
+        f"{exc.strerror}: this user may not write there; fix its permissions or set store_dir to a directory you may write, and run again",
+    )

@@ -32,22 +32,42 @@ def evaluate_task(
     verifier's GPU settings."""
     store = run_store(store_dir)
     provenance = task_provenance(
-        evaluate_task, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts, baselines=baselines
+        evaluate_task,
+        store,
+        cfg=cfg,
+        checkpoint=checkpoint,
+        hidden_states=hidden_states,
+        verifier=verifier,
+        prompts=prompts,
+        baselines=baselines,
     )
     manifest = step.evaluate(
-        cfg, checkpoint, hidden_states, verifier, prompts, store, provenance, baselines,
-        claim=decoding_claim(cfg.device, placement, verifier, cfg.dtype), placement=placement,
+        cfg,
+        checkpoint,
+        hidden_states,
+        verifier,
+        prompts,
+        store,
+        provenance,
+        baselines,
+        claim=decoding_claim(cfg.device, placement, verifier, cfg.dtype),
+        placement=placement,
     )
     create_table_artifact(
         key="acceptance-length",
         table=decode_rows(manifest.results),
         description=f"measured tau (tau_sim {manifest.tau_sim:.3f}); "
-        + (f"plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s on {baselines.measured_on}, the draft on {manifest.measured_on}"
-           if baselines is not None
-           else f"from the spec-decode counters of {cfg.endpoint.display_url}"),
+        + (
+            f"plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s on {baselines.measured_on}, the draft on {manifest.measured_on}"
+            if baselines is not None
+            else f"from the spec-decode counters of {cfg.endpoint.display_url}"
+        ),
     )
-    gains = {f"gain_over_ngram_k{g['k']}": with_error(g["gain"], g["standard_error"], signed=True)
-             for g in manifest.gains_over_ngram or [] if g["gain"] is not None}
+    gains = {
+        f"gain_over_ngram_k{g['k']}": with_error(g["gain"], g["standard_error"], signed=True)
+        for g in manifest.gains_over_ngram or []
+        if g["gain"] is not None
+    }
     publish_step_report(
         manifest, {"num_prompts": manifest.num_prompts, "num_tokens": manifest.num_tokens, "mismatches": manifest.mismatches, **gains}
     )

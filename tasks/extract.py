@@ -17,11 +17,19 @@ def extract_hidden_states_task(
     store = run_store(store_dir)
     provenance = task_provenance(extract_hidden_states_task, store, cfg=cfg, dataset=dataset, verifier=verifier)
     manifest = step.extract_hidden_states(
-        cfg, dataset, verifier, store, provenance, on_progress=Progress("extract hidden states (tokens)"),
-        claim=verifier_claim(cfg.device, placement), placement=placement,
+        cfg,
+        dataset,
+        verifier,
+        store,
+        provenance,
+        on_progress=Progress("extract hidden states (tokens)"),
+        claim=verifier_claim(cfg.device, placement),
+        placement=placement,
     )
     publish_step_report(
         manifest,
-        manifest.model_dump(include={"aux_layer_ids", "num_records", "num_tokens", "extracted_shards", "reused_shards", "backoffs", "gpu_memory_after_mib"}),
+        manifest.model_dump(
+            include={"aux_layer_ids", "num_records", "num_tokens", "extracted_shards", "reused_shards", "backoffs", "gpu_memory_after_mib"}
+        ),
     )
     return manifest

@@ -36,7 +36,14 @@ from eagle3.verifier.placement import gpus_to_decode
 from eagle3.verifier.resolve_verifier import VerifierManifest
 
 __all__ = [
-    "GPU_LIMIT", "claim_gpus", "decoding_claim", "ensure_gpu_limit", "gpu_slots", "set_gpu_limit", "verifier_claim", "without_placement",
+    "GPU_LIMIT",
+    "claim_gpus",
+    "decoding_claim",
+    "ensure_gpu_limit",
+    "gpu_slots",
+    "set_gpu_limit",
+    "verifier_claim",
+    "without_placement",
 ]
 
 GPU_LIMIT = "gpu"
@@ -116,5 +123,4 @@ def ensure_gpu_limit(gpus: int | None = None) -> None:
             client.read_global_concurrency_limit_by_name(GPU_LIMIT)
         except ObjectNotFound:
             client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, gpus)
-            print(f"eagle3: created the Prefect concurrency limit '{GPU_LIMIT}' with {gpus} slot(s), one per GPU here",
-                  file=sys.stderr)
+            print(f"eagle3: created the Prefect concurrency limit '{GPU_LIMIT}' with {gpus} slot(s), one per GPU here", file=sys.stderr)

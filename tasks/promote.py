@@ -18,12 +18,15 @@ def _markdown(record: step.PromotionRecord) -> str:
     key = record.key
     rows = [f"| this run | `{record.checkpoint[:16]}` | {record.tau:.3f} | {record.tau_sim:.3f} | `{record.run_id}` |"]
     if record.best_earlier_checkpoint is not None:
-        rows.append(f"| best earlier promoted | `{record.best_earlier_checkpoint[:16]}` | {record.best_earlier_tau:.3f} | | "
-                    f"`{record.best_earlier_run_id}` |")
+        rows.append(
+            f"| best earlier promoted | `{record.best_earlier_checkpoint[:16]}` | {record.best_earlier_tau:.3f} | | "
+            f"`{record.best_earlier_run_id}` |"
+        )
     return (
         f"### {'Promoted' if record.promoted else 'Not promoted'}\n\n{record.summary()}\n\n"
-        f"| | checkpoint | measured tau (k={key.k}) | tau_sim | run |\n| --- | --- | --- | --- | --- |\n" + "\n".join(rows) +
-        f"\n\nCompared on: verifier `{key.verifier[:16]}`, eval prompts `{key.prompts[:16]}`, k={key.k}, "
+        f"| | checkpoint | measured tau (k={key.k}) | tau_sim | run |\n| --- | --- | --- | --- | --- |\n"
+        + "\n".join(rows)
+        + f"\n\nCompared on: verifier `{key.verifier[:16]}`, eval prompts `{key.prompts[:16]}`, k={key.k}, "
         f"max_new_tokens={key.max_new_tokens}, {key.num_prompts} prompts; min improvement {record.min_improvement}, "
         f"min standard errors {record.min_standard_errors}.\n\n"
         f"Checkpoint: `{record.checkpoint_path}`\n"

@@ -18,7 +18,14 @@ def regenerate_task(
     store = run_store(store_dir)
     provenance = task_provenance(regenerate_task, store, cfg=cfg, source=source, verifier=verifier)
     manifest = step.regenerate(
-        cfg, source, verifier, store, provenance, on_progress=Progress("regenerate (records)"), claim=verifier_claim(cfg.device, placement), placement=placement
+        cfg,
+        source,
+        verifier,
+        store,
+        provenance,
+        on_progress=Progress("regenerate (records)"),
+        claim=verifier_claim(cfg.device, placement),
+        placement=placement,
     )
     numbers = manifest.model_dump(include={"num_records", "num_generated_tokens", "backoffs", "gpu_memory_after_mib"})
     publish_step_report(manifest, {**numbers, "failed": len(manifest.failed)})

@@ -87,9 +87,7 @@ def tracebacks_to(log_file: Path) -> Iterator[None]:
     """While the block runs, the terminal gets each log line without its traceback, and `log_file`
     gets every line with it (as does the Prefect server's log of the run). A failing step made
     Prefect print up to ten tracebacks (120 lines) before the one line that says what to fix."""
-    formatters = {
-        h: h.formatter for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler) and h.formatter is not None
-    }
+    formatters = {h: h.formatter for h in logging.getLogger().handlers if isinstance(h, logging.StreamHandler) and h.formatter is not None}
     log_file.parent.mkdir(parents=True, exist_ok=True)
     to_file = logging.FileHandler(log_file, delay=True)
     to_file.setFormatter(logging.Formatter("%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"))

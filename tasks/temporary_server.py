@@ -66,9 +66,21 @@ class TemporaryServer:
             raise RuntimeError("the temporary Prefect server needs the prefect package installed")
         prefect_dir = Path(prefect_spec.origin).parent
         command = [
-            sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent), "--factory",
-            "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error",
-            "--lifespan", "on",
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--app-dir",
+            str(prefect_dir.parent),
+            "--factory",
+            "prefect.server.api.server:create_app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "error",
+            "--lifespan",
+            "on",
         ]
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -109,8 +121,11 @@ class TemporaryServer:
         os.environ["PREFECT_API_URL"] = self.api_url
         os.environ.setdefault("PREFECT_UI_URL", "")  # it serves no UI: no "View at <url>" lines that lead nowhere
         prefect.context.refresh_global_settings_context()
-        print(f"eagle3: a temporary Prefect server runs on http://127.0.0.1:{self.port} until the run ends "
-              "(set PREFECT_API_URL to use a persistent one and see runs in its UI)", file=sys.stderr)
+        print(
+            f"eagle3: a temporary Prefect server runs on http://127.0.0.1:{self.port} until the run ends "
+            "(set PREFECT_API_URL to use a persistent one and see runs in its UI)",
+            file=sys.stderr,
+        )
         threading.Thread(target=self._end_run_if_it_dies, name="eagle3-server-watch", daemon=True).start()
         return True
 
@@ -119,8 +134,11 @@ class TemporaryServer:
         for minutes, it stops as SIGTERM stops it, within seconds."""
         code = self.process.wait()
         if not self.stopping:
-            print(f"eagle3: the temporary Prefect server stopped (exit code {code}; its log: {self.log_file}), so this run "
-                  "stops too; finished steps stay cached: run again", file=sys.stderr)
+            print(
+                f"eagle3: the temporary Prefect server stopped (exit code {code}; its log: {self.log_file}), so this run "
+                "stops too; finished steps stay cached: run again",
+                file=sys.stderr,
+            )
             os.kill(os.getpid(), signal.SIGTERM)
 
     def stop(self) -> None:

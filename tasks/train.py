@@ -20,7 +20,9 @@ from tasks.store import run_store
 
 
 @step_task("online-hidden-states", online.online_states_provenance)
-def online_states_task(store_dir: str, cfg: ExtractConfig, dataset: DatasetManifest, verifier: VerifierManifest) -> online.OnlineStatesManifest:
+def online_states_task(
+    store_dir: str, cfg: ExtractConfig, dataset: DatasetManifest, verifier: VerifierManifest
+) -> online.OnlineStatesManifest:
     """`train.hidden_states=online`: what training computes the states from, in place of extracting them."""
     store = run_store(store_dir)
     provenance = task_provenance(online_states_task, store, cfg=cfg, dataset=dataset, verifier=verifier)
@@ -44,10 +46,21 @@ def train_draft_task(
         train_draft_task, store, cfg=cfg, dataset=dataset, hidden_states=hidden_states, vocab=vocab, verifier=verifier, init=init
     )
     manifest = step.train_draft(
-        cfg, dataset, hidden_states, vocab, verifier, store, provenance, on_step=Progress("train draft (steps)"),
-        claim=partial(claim_gpus, cfg.device, cfg.num_gpus), init=init,
+        cfg,
+        dataset,
+        hidden_states,
+        vocab,
+        verifier,
+        store,
+        provenance,
+        on_step=Progress("train draft (steps)"),
+        claim=partial(claim_gpus, cfg.device, cfg.num_gpus),
+        init=init,
     )
-    publish_step_report(manifest, manifest.model_dump(include={"num_steps", "tau_sim", "tokens_per_s", "time_breakdown_s", "backoffs", "gpu_memory_after_mib"}))
+    publish_step_report(
+        manifest,
+        manifest.model_dump(include={"num_steps", "tau_sim", "tokens_per_s", "time_breakdown_s", "backoffs", "gpu_memory_after_mib"}),
+    )
     publish_image("training-curves", manifest.path / manifest.curves, "training curves: loss and acceptance per TTT step")
     return manifest
 
@@ -67,6 +80,9 @@ def previous_draft_task(
     else:
         get_run_logger().info(
             "continuing from draft %s (dataset %s, finished %s, tau_sim %.3f)",
-            draft.digest[:12], draft.parents["dataset"][:12], draft.finished_at, draft.tau_sim,
+            draft.digest[:12],
+            draft.parents["dataset"][:12],
+            draft.finished_at,
+            draft.tau_sim,
         )
     return draft

@@ -10,9 +10,7 @@ from tasks.store import run_store
 
 
 @step_task("build-vocab-mapping", "vocab_mapping")
-def build_vocab_mapping_task(
-    store_dir: str, cfg: VocabConfig, dataset: DatasetManifest, verifier: VerifierManifest
-) -> step.VocabManifest:
+def build_vocab_mapping_task(store_dir: str, cfg: VocabConfig, dataset: DatasetManifest, verifier: VerifierManifest) -> step.VocabManifest:
     store = run_store(store_dir)
     provenance = task_provenance(build_vocab_mapping_task, store, cfg=cfg, dataset=dataset, verifier=verifier)
     manifest = step.build_vocab_mapping(cfg, dataset, verifier.vocab_size, store, provenance)

@@ -166,8 +166,19 @@ def publish_text_artifact(store, kind: str, content: str, parents: dict[str, str
         return store.publish(work, (manifest_type or ArtifactManifest)(kind=kind, path=work, parents=parents, **fields))
 
 
-def publish_evaluation(store, name: str, taus: dict[int, float], verifier="a" * 64, prompts="b" * 64, max_new_tokens=64, num_prompts=4,
-                       draft="d" * 64, counts=None, ngram_tau: float | None = 1.2, **measured):
+def publish_evaluation(
+    store,
+    name: str,
+    taus: dict[int, float],
+    verifier="a" * 64,
+    prompts="b" * 64,
+    max_new_tokens=64,
+    num_prompts=4,
+    draft="d" * 64,
+    counts=None,
+    ngram_tau: float | None = 1.2,
+    **measured,
+):
     """Checkpoint `name` (of `draft`) and an evaluation of it in `store`, shaped as the evaluate step
     publishes them; `counts` (k -> each prompt's EAGLE-3 tokens and passes) go to its per_prompt.json.
     `ngram_tau`: the baselines' n-gram tau at every k (None: none measured, as with backend 'vllm')."""
@@ -182,11 +193,20 @@ def publish_evaluation(store, name: str, taus: dict[int, float], verifier="a" * 
         results += [{"method": "ngram", "k": k, "tau": ngram_tau} for k in taus]
         gains = [{"k": k, "gain": tau - ngram_tau, "standard_error": 0.1} for k, tau in taus.items()]
     return publish_text_artifact(
-        store, "evaluation", json.dumps([name, settings, results]),
+        store,
+        "evaluation",
+        json.dumps([name, settings, results]),
         {"checkpoint": checkpoint.digest, "hidden_states": "e" * 64, "verifier": verifier, "prompts": prompts},
-        manifest_type=EvalManifest, files={PER_PROMPT: json.dumps({"eagle3": counts})} if counts else None,
-        config={"cfg": settings}, num_prompts=num_prompts, num_tokens=num_prompts * max_new_tokens,
-        tau_sim=2.5, results=results, gains_over_ngram=gains, greedy_tokens_per_s=100.0, mismatches=0,
+        manifest_type=EvalManifest,
+        files={PER_PROMPT: json.dumps({"eagle3": counts})} if counts else None,
+        config={"cfg": settings},
+        num_prompts=num_prompts,
+        num_tokens=num_prompts * max_new_tokens,
+        tau_sim=2.5,
+        results=results,
+        gains_over_ngram=gains,
+        greedy_tokens_per_s=100.0,
+        mismatches=0,
     )
 
 
@@ -266,7 +286,9 @@ def prefect_server(tmp_path_factory):
     with open(home / "server.log", "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         try:
             wait_for_http(f"{url}/health", server, home / "server.log", timeout_s=180)
@@ -299,10 +321,7 @@ def deployments(prefect_server):
     done = subprocess.run([str(ROOT / "deployments" / "register.sh")], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with get_client(sync_client=True) as client:
-        return {
-            name: client.read_deployment_by_name(f"train-eagle3-draft/{name}")
-            for name in ("train-on-demand", "scheduled-retrain")
-        }
+        return {name: client.read_deployment_by_name(f"train-eagle3-draft/{name}") for name in ("train-on-demand", "scheduled-retrain")}
 
 
 @pytest.fixture
@@ -333,10 +352,14 @@ def start_worker(prefect_server, tmp_path):
         env = {**os.environ, "PREFECT_API_URL": prefect_server}
         env.pop("PREFECT_LOGGING_EXTRA_LOGGERS", None)  # `eagle3.cli.main`, called in-process by other tests, sets it
         with open(log_path, "w") as log:
-            workers.append(subprocess.Popen(
-                [sys.executable, "-m", "prefect", "worker", "start", "--pool", "eagle3", "--run-once"],
-                env=env, stdout=log, stderr=subprocess.STDOUT,
-            ))
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "prefect", "worker", "start", "--pool", "eagle3", "--run-once"],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         return log_path
 
     yield start

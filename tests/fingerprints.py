@@ -90,7 +90,9 @@ def assert_matches(actual: Any, pinned: Any, where: str = "") -> None:
     if isinstance(pinned, dict) and "rms" in pinned and isinstance(actual, dict):
         assert {k: actual.get(k) for k in ("dtype", "shape")} == {k: pinned[k] for k in ("dtype", "shape")}, where
         floor = 1e-4 * pinned["rms"] + 1e-12
-        assert math.isclose(actual["rms"], pinned["rms"], rel_tol=RMS_TOLERANCE, abs_tol=floor), f"{where}: RMS {actual['rms']} != {pinned['rms']}"
+        assert math.isclose(actual["rms"], pinned["rms"], rel_tol=RMS_TOLERANCE, abs_tol=floor), (
+            f"{where}: RMS {actual['rms']} != {pinned['rms']}"
+        )
         far = [i for i, (a, b) in enumerate(zip(actual["values"], pinned["values"])) if abs(a - b) > VALUE_TOLERANCE * abs(b) + floor]
         assert not far, f"{where}: values {far} differ: {actual['values']} != {pinned['values']}"
     elif isinstance(pinned, dict):
@@ -123,10 +125,12 @@ def check_pinned(step: str, output: dict[str, Any]) -> None:
     pinned = pins[step]
     assert pinned["libraries"] == libraries, (
         f"step '{step}' was pinned with {pinned['libraries']}, this is {libraries}: an upgrade moves its key anyway; "
-        "re-pin with EAGLE3_REPIN=1")
+        "re-pin with EAGLE3_REPIN=1"
+    )
     assert pinned["version"] == code.version, (
         f"step '{step}' is at version {code.version} but its output was pinned at {pinned['version']}: "
-        "re-pin with EAGLE3_REPIN=1 after checking the new output")
+        "re-pin with EAGLE3_REPIN=1 after checking the new output"
+    )
     try:
         assert_matches(output, pinned["output"], step)
     except AssertionError as exc:

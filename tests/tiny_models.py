@@ -22,8 +22,7 @@ GENERATION = (
     "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-            "<|end_header_id|>", "<|eot_id|>"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 
 def sample_texts() -> list[str]:
@@ -51,7 +50,10 @@ def tiny_tokenizer(template: str | None = CHATML, vocab_size: int = 1024, ascii_
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=alphabet, **limits)
     tok.train_from_iterator(sample_texts() * 2, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         chat_template=template,
     )
 
@@ -59,9 +61,16 @@ def tiny_tokenizer(template: str | None = CHATML, vocab_size: int = 1024, ascii_
 def _llama_config(vocab_size: int, num_layers: int, hidden: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                       num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=2048, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
 
 
 def tiny_llama(out: Path, num_layers: int = 4, hidden: int = 64, template: str | None = CHATML, ascii_only: bool = False) -> Path:
@@ -81,10 +90,12 @@ def tiny_llava(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
 
     torch.manual_seed(0)
     tokenizer = tiny_tokenizer()
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                              image_size=32, patch_size=16)
-    config = LlavaConfig(vision_config=vision, text_config=_llama_config(len(tokenizer), num_layers, hidden),
-                         image_token_index=len(tokenizer) - 1)
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=16
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=_llama_config(len(tokenizer), num_layers, hidden), image_token_index=len(tokenizer) - 1
+    )
     LlavaForConditionalGeneration(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(out)
@@ -131,14 +142,38 @@ def tiny_kimi_k25(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
     tokenizer = tiny_tokenizer()
     n = len(tokenizer)
     text = DeepseekV3Config(
-        vocab_size=n, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=1,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-        max_position_embeddings=2048, tie_word_embeddings=False)
+        vocab_size=n,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     vision = Kimi_K25VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
-    config = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32, tie_word_embeddings=False,
-                            image_token_id=n - 1, video_token_id=n - 2, vision_start_token_id=n - 3, vision_end_token_id=n - 4)
+    config = Kimi_K25Config(
+        text_config=text,
+        vision_config=vision,
+        projection_hidden_size=32,
+        tie_word_embeddings=False,
+        image_token_id=n - 1,
+        video_token_id=n - 2,
+        vision_start_token_id=n - 3,
+        vision_end_token_id=n - 4,
+    )
     Kimi_K25ForConditionalGeneration(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     weights = out / "model.safetensors"  # transformers 5.19 saves the decoder's layers as `blocks`
@@ -156,13 +191,31 @@ def tiny_qwen3_vl_moe(out: Path, num_layers: int = 4, hidden: int = 64) -> Path:
     torch.manual_seed(0)
     tokenizer = tiny_tokenizer()
     n = len(tokenizer)
-    text = dict(vocab_size=n, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
-                num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    text = dict(
+        vocab_size=n,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden, deepstack_visual_indexes=[0])
-    config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, image_token_id=n - 1,
-                              video_token_id=n - 2, vision_start_token_id=n - 3, vision_end_token_id=n - 4)
+    config = Qwen3VLMoeConfig(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        image_token_id=n - 1,
+        video_token_id=n - 2,
+        vision_start_token_id=n - 3,
+        vision_end_token_id=n - 4,
+    )
     Qwen3VLMoeForConditionalGeneration(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -175,9 +228,20 @@ def tiny_qwen3_moe(out: Path, num_layers: int = 4, hidden: int = 256, ascii_only
     torch.manual_seed(0)
     tokenizer = tiny_tokenizer(ascii_only=ascii_only)
     config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, num_experts=4,
-        num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=2048, tie_word_embeddings=False)
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     Qwen3MoeForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -185,12 +249,19 @@ def tiny_qwen3_moe(out: Path, num_layers: int = 4, hidden: int = 256, ascii_only
 
 # Kimi-K2.5's own quantization: INT4 routed experts; attention, shared experts, dense MLPs, head and vision tower as they were.
 KIMI_INT4_WEIGHTS = r"\.experts\.\d+\.(gate|up|down)_proj\.weight$"
-KIMI_INT4_IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
-                    "re:vision_tower.*", "re:mm_projector.*"]
+KIMI_INT4_IGNORE = [
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+    "re:.*lm_head.*",
+    "re:vision_tower.*",
+    "re:mm_projector.*",
+]
 
 
-def compressed_checkpoint(source: Path, out: Path, quantize: str, ignore: list[str], scheme: str = "int4",
-                          nested: bool = False) -> tuple[Path, Path]:
+def compressed_checkpoint(
+    source: Path, out: Path, quantize: str, ignore: list[str], scheme: str = "int4", nested: bool = False
+) -> tuple[Path, Path]:
     """`source` as llm-compressor saves it quantized, in compressed-tensors' formats: `int4`
     ("pack-quantized", symmetric, one scale per 32 inputs) or `fp8` ("float-quantized" e4m3, one scale
     per output channel), on the weights whose keys match `quantize` (which must be the Linear layers
@@ -217,8 +288,11 @@ def compressed_checkpoint(source: Path, out: Path, quantize: str, ignore: list[s
             scale = groups.abs().amax(-1) / 7
             q = torch.round(groups / scale[..., None]).clamp(-8, 7).to(torch.int8)
             dequantized[key] = (q * scale[..., None]).reshape(weight.shape)
-            quantized |= {f"{module}.weight_packed": pack_to_int32(q.reshape(weight.shape), 4), f"{module}.weight_scale": scale,
-                          f"{module}.weight_shape": torch.tensor(weight.shape, dtype=torch.int64)}
+            quantized |= {
+                f"{module}.weight_packed": pack_to_int32(q.reshape(weight.shape), 4),
+                f"{module}.weight_scale": scale,
+                f"{module}.weight_shape": torch.tensor(weight.shape, dtype=torch.int64),
+            }
         else:
             scale = weight.abs().amax(-1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max
             q = (weight / scale).to(torch.float8_e4m3fn)
@@ -230,8 +304,13 @@ def compressed_checkpoint(source: Path, out: Path, quantize: str, ignore: list[s
         "int4": ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}, "pack-quantized"),
         "fp8": ({"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}, "float-quantized"),
     }[scheme]
-    quantization = {"quant_method": "compressed-tensors", "format": form, "quantization_status": "compressed",
-                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}, "ignore": ignore}
+    quantization = {
+        "quant_method": "compressed-tensors",
+        "format": form,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ignore,
+    }
     config = json.loads((out / "config.json").read_text())
     (config["text_config"] if nested else config)["quantization_config"] = quantization
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -65,16 +65,24 @@ class ServedDraft:
         return self.store.root.parent / "vllm.log"
 
 
-def train_draft_for_serving(root: Path, num_layers: int = 1, build=tiny_llama) -> tuple[ArtifactStore, VerifierManifest, HiddenStatesManifest, ExportManifest]:
+def train_draft_for_serving(
+    root: Path, num_layers: int = 1, build=tiny_llama
+) -> tuple[ArtifactStore, VerifierManifest, HiddenStatesManifest, ExportManifest]:
     """A 4-layer H256 verifier (head_dim 64, as SmolLM2's; `build` makes it) and a draft of
     `num_layers` decoder layers trained on 24 of its own answers."""
     store = ArtifactStore(root / "store")
     verifier = resolve_verifier(VerifierConfig(path=str(build(root / "verifier", hidden=256, ascii_only=True))), store)
-    answers = regenerate(RegenerateConfig(enabled=True, max_records=24, max_new_tokens=48, batch_size=24), SAMPLE, verifier, store, Provenance())
-    dataset = prepare_dataset(DatasetConfig(max_seq_len=256), regenerated_conversations(answers), load_tokenizer(verifier.path), store, Provenance())
+    answers = regenerate(
+        RegenerateConfig(enabled=True, max_records=24, max_new_tokens=48, batch_size=24), SAMPLE, verifier, store, Provenance()
+    )
+    dataset = prepare_dataset(
+        DatasetConfig(max_seq_len=256), regenerated_conversations(answers), load_tokenizer(verifier.path), store, Provenance()
+    )
     hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=[1, 2, 3]), dataset, verifier, store, Provenance())
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=512), dataset, verifier.vocab_size, store, Provenance())
-    draft = train_draft(TrainConfig(epochs=2, total_seq_len=512, num_layers=num_layers), dataset, hidden, vocab, verifier, store, Provenance())
+    draft = train_draft(
+        TrainConfig(epochs=2, total_seq_len=512, num_layers=num_layers), dataset, hidden, vocab, verifier, store, Provenance()
+    )
     checkpoint = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
     return store, verifier, hidden, checkpoint
 
@@ -92,11 +100,27 @@ def tiny_deepseek_v3(out: Path, num_layers: int = 3, hidden: int = 128) -> Path:
     torch.manual_seed(0)
     tokenizer = tiny_tokenizer()
     config = DeepseekV3Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
-        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=2, first_k_dense_replace=1,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, q_lora_rank=64,
-        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=2048,
-        tie_word_embeddings=False)
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=64,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     model = DeepseekV3ForCausalLM(config)
     with torch.no_grad():  # zero at init: let the routing depend on the correction bias too
         for name, parameter in model.named_parameters():
@@ -119,8 +143,17 @@ def _test_flags(max_model_len: int) -> list[str]:
     """What a test server on a shared CPU needs: exact float32 outputs, a small context, no compile.
     On CPU, --gpu-memory-utilization is the share of host memory that must be free at start (the
     default 0.92 fails beside other processes)."""
-    return ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_model_len), "--enforce-eager",
-            "--gpu-memory-utilization", "0.15"]
+    return [
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.15",
+    ]
 
 
 @contextmanager
@@ -152,8 +185,17 @@ def vllm_server(verifier_dir: Path, draft_dir: Path, log_path: Path) -> Iterator
     port = free_port()
     # `vllm serve` looks up the distribution "vllm", which the CPU build is not named: start the module.
     command = [
-        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(verifier_dir),
-        "--served-model-name", SERVED_NAME, "--port", str(port), *_test_flags(MAX_MODEL_LEN), *draft_args(draft_dir),
+        str(VLLM_PYTHON),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(verifier_dir),
+        "--served-model-name",
+        SERVED_NAME,
+        "--port",
+        str(port),
+        *_test_flags(MAX_MODEL_LEN),
+        *draft_args(draft_dir),
     ]
     with _running(command, port, log_path) as base_url:
         yield base_url
@@ -175,9 +217,19 @@ def extracting_server(root: Path, build=tiny_llama) -> Iterator[ExtractingServer
     storage, port = root / "served-states", free_port()
     printed = io.StringIO()
     with redirect_stdout(printed):
-        main(["extraction-server", "--cpu", "--storage", str(storage), f"verifier.path={verifier_dir}", f"store_dir={root / 'store'}",
-              f"extract.aux_layer_ids={EXTRACTED_AUX}", f"extract.endpoint.base_url=http://127.0.0.1:{port}/v1",
-              f"extract.endpoint.model={SERVED_NAME}"])
+        main(
+            [
+                "extraction-server",
+                "--cpu",
+                "--storage",
+                str(storage),
+                f"verifier.path={verifier_dir}",
+                f"store_dir={root / 'store'}",
+                f"extract.aux_layer_ids={EXTRACTED_AUX}",
+                f"extract.endpoint.base_url=http://127.0.0.1:{port}/v1",
+                f"extract.endpoint.model={SERVED_NAME}",
+            ]
+        )
     assignment, python, *command = shlex.split(printed.getvalue())
     name, value = assignment.split("=", 1)
     assert (name, python) == ("PYTHONPATH", "python")

@@ -101,7 +101,7 @@ def read_records(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                bad = raw[exc.start:exc.start + 1]
+                bad = raw[exc.start : exc.start + 1]
                 raise ArtifactError(path, f"record {i} (line {i + 1}): not UTF-8 text (byte {exc.start}: {bad!r})") from exc
             if not line.strip():
                 continue
@@ -129,8 +129,9 @@ def read_user_turns(path: Path, limit: int | None) -> list[Record]:
         record_id = str(record.get("id", record.get("question_id", index)))
         if record_id in first_with_id:
             raise ArtifactError(
-                path, f"record {index}: field 'id': {record_id!r} is also the id of record {first_with_id[record_id]}; "
-                "answers are kept by id, so ids must be unique"
+                path,
+                f"record {index}: field 'id': {record_id!r} is also the id of record {first_with_id[record_id]}; "
+                "answers are kept by id, so ids must be unique",
             )
         first_with_id[record_id] = index
         if isinstance(record.get("prompt"), str):
@@ -147,7 +148,9 @@ def read_user_turns(path: Path, limit: int | None) -> list[Record]:
                 raise ArtifactError(path, f"record {index} (id {record_id!r}): field '{role_key}': no user turn to answer")
             out.append((record_id, [m for m in messages if m["role"] == "system"], users))
         else:
-            raise ArtifactError(path, f"record {index}: no prompt field: expected 'prompt', 'question', 'turns', 'messages' or 'conversations'")
+            raise ArtifactError(
+                path, f"record {index}: no prompt field: expected 'prompt', 'question', 'turns', 'messages' or 'conversations'"
+            )
     return out
 
 
@@ -174,8 +177,7 @@ def _normalise(path: Path, index: int, record: Any) -> tuple[str, list[dict[str,
         if role is None:
             raise ArtifactError(
                 path,
-                f"{where}: field '{field}[{t}].{role_key}': unknown role {turn[role_key]!r}; "
-                f"expected one of {sorted(ROLE_ALIASES)}",
+                f"{where}: field '{field}[{t}].{role_key}': unknown role {turn[role_key]!r}; expected one of {sorted(ROLE_ALIASES)}",
             )
         if not isinstance(turn[text_key], str):
             raise ArtifactError(path, f"{where}: field '{field}[{t}].{text_key}' must be a string")
@@ -216,9 +218,7 @@ def build_loss_mask(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int
     return list(enc["input_ids"]), mask
 
 
-def prepare_dataset(
-    cfg: DatasetConfig, source: Path, tokenizer, store: ArtifactStore, provenance: Provenance
-) -> DatasetManifest:
+def prepare_dataset(cfg: DatasetConfig, source: Path, tokenizer, store: ArtifactStore, provenance: Provenance) -> DatasetManifest:
     """Tokenize `source` into parquet files in a work dir, then publish them.
 
     Raises:

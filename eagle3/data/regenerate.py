@@ -90,12 +90,13 @@ def _generate(model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig,
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
     torch.manual_seed(cfg.seed)
     sampling = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature > 0 else {"do_sample": False}
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=cfg.max_new_tokens,
-                         pad_token_id=pad, **sampling)[:, width:].tolist()
+    out = model.generate(
+        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=cfg.max_new_tokens, pad_token_id=pad, **sampling
+    )[:, width:].tolist()
     eos = eos_token_ids(tokenizer, model)
     results = []
     for tokens in out:
@@ -141,8 +142,10 @@ def _answer_batch(model, tokenizer, batch: list[Record], cfg: RegenerateConfig, 
             conversations[b].append({"role": "assistant", "content": text})
             reasons[b].append(reason)
             tokens[b] += len(new)
-    return [{"id": record_id, "failed": failed[b]} if b in failed else _finished(record_id, conversations[b], reasons[b], tokens[b])
-            for b, (record_id, _, _) in enumerate(batch)]
+    return [
+        {"id": record_id, "failed": failed[b]} if b in failed else _finished(record_id, conversations[b], reasons[b], tokens[b])
+        for b, (record_id, _, _) in enumerate(batch)
+    ]
 
 
 class RegenerateAttempt(BaseModel):
@@ -196,13 +199,23 @@ def _regenerate_on(
     """Run attempts on one worker (None: in this process, on `cfg.device`) until every record of
     `todo` is in `done_log`; the back-offs taken."""
     backoff = BatchBackoff(
-        "regenerate.batch_size", cfg.batch_size, "regenerate.min_batch_size", cfg.min_batch_size,
+        "regenerate.batch_size",
+        cfg.batch_size,
+        "regenerate.min_batch_size",
+        cfg.min_batch_size,
         kept=f"Finished records are kept in {done_log.parent}: a re-run resumes there. Lower regenerate.min_batch_size "
         "or max_new_tokens, shorten those prompts, or use a device with more memory.",
     )
     device = worker.device if worker else str(resolve_device(cfg.device))
-    spec = RegenerateAttempt(todo=todo, cfg=cfg, verifier=verifier, device=device, batch_size=cfg.batch_size, done_log=done_log,
-                             max_memory=worker.max_memory if worker else None)
+    spec = RegenerateAttempt(
+        todo=todo,
+        cfg=cfg,
+        verifier=verifier,
+        device=device,
+        batch_size=cfg.batch_size,
+        done_log=done_log,
+        max_memory=worker.max_memory if worker else None,
+    )
     while spec.todo:
         oom = run_attempt(_transformers_attempt, spec, worker.visible if worker else None, records_done)
         finished = read_done(done_log, "record")
@@ -223,12 +236,19 @@ def _shares(todo: list[Record], batch_size: int, workers: int) -> list[list[Reco
 
 def _read_done_logs(work: Path) -> dict:
     """Finished records of every log in `work`: one per data-parallel worker (worker 0's is `DONE_LOG`)."""
-    return {record: entry for log in [work / DONE_LOG, *sorted(work.glob("done.*.jsonl"))] for record, entry in read_done(log, "record").items()}
+    return {
+        record: entry for log in [work / DONE_LOG, *sorted(work.glob("done.*.jsonl"))] for record, entry in read_done(log, "record").items()
+    }
 
 
 def _regenerate_by_transformers(
-    todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, work: Path, gpus: list[str] | None,
-    placement: VerifierConfig | None, records_done,
+    todo: list[Record],
+    cfg: RegenerateConfig,
+    verifier: VerifierManifest,
+    work: Path,
+    gpus: list[str] | None,
+    placement: VerifierConfig | None,
+    records_done,
 ) -> list[Backoff]:
     """Every record of `todo` answered on the claimed `gpus` (None: in this process): one worker per
     GPU where the verifier fits one, each with a share of the records and a log of its own, else one
@@ -240,8 +260,10 @@ def _regenerate_by_transformers(
     workers = place_verifier(verifier.path, gpus, placement, torch.bfloat16)
     logs = [work / DONE_LOG] + [work / f"done.{w}.jsonl" for w in range(1, len(workers))]
     with ThreadPoolExecutor(len(workers), thread_name_prefix="regenerate-worker") as pool:
-        futures = [pool.submit(_regenerate_on, share, cfg, verifier, log, worker, records_done)
-                   for share, log, worker in zip(_shares(todo, cfg.batch_size, len(workers)), logs, workers)]
+        futures = [
+            pool.submit(_regenerate_on, share, cfg, verifier, log, worker, records_done)
+            for share, log, worker in zip(_shares(todo, cfg.batch_size, len(workers)), logs, workers)
+        ]
     return [taken for future in futures for taken in future.result()]
 
 
@@ -334,7 +356,6 @@ def regenerate(
         backoffs, gpu_memory_after = [], None
         if todo:
             with tqdm(total=len(todo), desc="regenerate", unit="rec") as progress:
-
                 counting = threading.Lock()  # data-parallel workers report from a thread each
 
                 def records_done(count: int) -> None:
@@ -355,14 +376,16 @@ def regenerate(
         if records and not ok:
             first_id = records[0][0]
             raise ArtifactError(
-                source, f"every record failed, record id {first_id!r} with: {done[first_id]['failed']}. Nothing is published; "
-                f"the failures are kept in {done_log} (delete it to try them again)."
+                source,
+                f"every record failed, record id {first_id!r} with: {done[first_id]['failed']}. Nothing is published; "
+                f"the failures are kept in {done_log} (delete it to try them again).",
             )
         out = work / "artifact"
         out.mkdir(exist_ok=True)
         pq.write_table(
-            pa.table({"id": [r["id"] for r in ok], "messages": [r["messages"] for r in ok],
-                      "finish_reasons": [r["finish_reasons"] for r in ok]}),
+            pa.table(
+                {"id": [r["id"] for r in ok], "messages": [r["messages"] for r in ok], "finish_reasons": [r["finish_reasons"] for r in ok]}
+            ),
             out / "conversations.parquet",
         )
         manifest = store.publish(

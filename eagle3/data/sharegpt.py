@@ -69,8 +69,10 @@ def _complete_records(path: Path, drops: Counter) -> Iterator[dict]:
 
 def _messages(record: dict) -> list[dict[str, str]]:
     """The conversation from its first human turn on (system turns kept), as OpenAI messages."""
-    messages = [{"role": _ROLES.get(str(t.get("from", "")).lower(), "unknown"), "content": t.get("value")}
-                for t in record.get("conversations") or []]
+    messages = [
+        {"role": _ROLES.get(str(t.get("from", "")).lower(), "unknown"), "content": t.get("value")}
+        for t in record.get("conversations") or []
+    ]
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first_user is None:
         return []
@@ -122,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2
     dropped = ", ".join(f"{reason} {count}" for reason, count in sorted(drops.items())) or "none"
-    print(f"{kept} conversations -> {args.out} (dropped: {dropped}); train with regenerate.enabled=true: "
-          "the verifier writes the answers")
+    print(f"{kept} conversations -> {args.out} (dropped: {dropped}); train with regenerate.enabled=true: the verifier writes the answers")
     return 0
 
 

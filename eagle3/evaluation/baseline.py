@@ -47,8 +47,16 @@ if TYPE_CHECKING:  # imported where used: the flow loads this module on every ru
     from transformers import PreTrainedModel
 
 __all__ = [
-    "BaselineManifest", "DecodingModel", "baseline_provenance", "chat_prompts", "decode_remaining", "decode_summary", "device_name",
-    "eval_prompts", "measure_baselines", "read_prompts",
+    "BaselineManifest",
+    "DecodingModel",
+    "baseline_provenance",
+    "chat_prompts",
+    "decode_remaining",
+    "decode_summary",
+    "device_name",
+    "eval_prompts",
+    "measure_baselines",
+    "read_prompts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -77,8 +85,15 @@ def baseline_provenance(store: ArtifactStore, cfg: EvalConfig, verifier: Verifie
     """What the baselines depend on: the verifier, the prompts by content, the decoding settings and
     the device type, not the rest of `cfg` (the eval backend and its server measure the draft only)."""
     return step_provenance(
-        "baseline", store, verifier=verifier, prompts=prompts, num_prompts=cfg.num_prompts,
-        max_new_tokens=cfg.max_new_tokens, ks=cfg.ks, dtype=cfg.dtype, device_type=device_type(cfg.device),
+        "baseline",
+        store,
+        verifier=verifier,
+        prompts=prompts,
+        num_prompts=cfg.num_prompts,
+        max_new_tokens=cfg.max_new_tokens,
+        ks=cfg.ks,
+        dtype=cfg.dtype,
+        device_type=device_type(cfg.device),
     )
 
 
@@ -99,8 +114,11 @@ def eval_prompts(path: Path, num_prompts: int) -> list[str]:
     """
     prompts = read_prompts(path, num_prompts)
     if len(prompts) < num_prompts:
-        raise ArtifactError(path, f"holds {len(prompts)} prompts, but evaluate.num_prompts is {num_prompts}: "
-                                  f"set evaluate.num_prompts to at most {len(prompts)}, or add prompts")
+        raise ArtifactError(
+            path,
+            f"holds {len(prompts)} prompts, but evaluate.num_prompts is {num_prompts}: "
+            f"set evaluate.num_prompts to at most {len(prompts)}, or add prompts",
+        )
     return prompts
 
 
@@ -122,7 +140,9 @@ class DecodingModel:
     prompts: list[list[int]]
 
     @classmethod
-    def load(cls, verifier: VerifierManifest, prompts: list[list[int]], device: str, dtype: str, max_memory: dict | None = None) -> DecodingModel:
+    def load(
+        cls, verifier: VerifierManifest, prompts: list[list[int]], device: str, dtype: str, max_memory: dict | None = None
+    ) -> DecodingModel:
         """`max_memory`: byte budgets of the devices the layers are spread over (None: all on `device`)."""
         import torch
 
@@ -214,7 +234,12 @@ def _decode_prompts(on: DecodingModel, cfg: EvalConfig, done: dict, done_log: Pa
 
 
 def measure_baselines(
-    cfg: EvalConfig, verifier: VerifierManifest, prompts_path: Path, store: ArtifactStore, provenance: Provenance, claim: GpuClaim = NO_GPU,
+    cfg: EvalConfig,
+    verifier: VerifierManifest,
+    prompts_path: Path,
+    store: ArtifactStore,
+    provenance: Provenance,
+    claim: GpuClaim = NO_GPU,
     placement: VerifierConfig | None = None,
 ) -> BaselineManifest:
     """Decode the first `cfg.num_prompts` prompts plainly greedy and with n-gram lookup at each of

@@ -50,8 +50,9 @@ class Eagle3Proposer:
         draft = self.draft
         position_embeddings = draft.rotary_emb(hidden, position_ids)
         for layer in draft.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                           position_embeddings=position_embeddings)
+            hidden = layer(
+                hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache, position_embeddings=position_embeddings
+            )
         return hidden
 
     def _head(self, hidden):
@@ -69,7 +70,9 @@ class Eagle3Proposer:
         draft = self.draft
         m = aux.shape[0]
         assert m == len(tokens), (m, len(tokens))
-        features = aux.reshape(1, m, -1).to(draft.fc.weight.device, draft.fc.weight.dtype)  # a spread verifier's last layer may sit elsewhere
+        features = aux.reshape(1, m, -1).to(
+            draft.fc.weight.device, draft.fc.weight.dtype
+        )  # a spread verifier's last layer may sit elsewhere
         if draft.input_norm is not None:
             features = draft.input_norm(features)
         features = draft.fc(features)  # [1, m, H]
@@ -123,7 +126,9 @@ class Eagle3Proposer:
 
 
 @torch.inference_mode()
-def draft_token_accuracy(model, capture: HiddenStateCapture, proposer: Eagle3Proposer, prompt: list[int], continuation: list[int]) -> tuple[int, int]:
+def draft_token_accuracy(
+    model, capture: HiddenStateCapture, proposer: Eagle3Proposer, prompt: list[int], continuation: list[int]
+) -> tuple[int, int]:
     """(correct, total) over the positions a draft is asked for (every generated token but the
     first): is the draft's first token after the true prefix the next token of `continuation`, the
     verifier's greedy output? Validation's step-0 accuracy, per token, on the eval prompts; measured

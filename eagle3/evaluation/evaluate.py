@@ -120,8 +120,16 @@ def _gain_row(k: int, draft: Counts, ngram: Counts) -> dict:
 
 
 def _decode_prompts(
-    cfg: EvalConfig, device: str, checkpoint: ExportManifest, hidden_states: HiddenStatesManifest, verifier: VerifierManifest,
-    prompts: list[list[int]], references: list[list[int]], done: dict, done_log: Path, max_memory: dict | None = None,
+    cfg: EvalConfig,
+    device: str,
+    checkpoint: ExportManifest,
+    hidden_states: HiddenStatesManifest,
+    verifier: VerifierManifest,
+    prompts: list[list[int]],
+    references: list[list[int]],
+    done: dict,
+    done_log: Path,
+    max_memory: dict | None = None,
 ) -> dict:
     """Decode every prompt not in `done` with the draft at each k on `device` (the verifier's layers
     spread over the devices of `max_memory` where given; the draft on `device`) and measure its
@@ -197,8 +205,13 @@ def _summarize(cfg: EvalConfig, entries: list[dict], references: list[list[int]]
 
 
 def evaluation_provenance(
-    store: ArtifactStore, cfg: EvalConfig, checkpoint: ExportManifest, hidden_states: HiddenStatesManifest,
-    verifier: VerifierManifest, prompts: Path, baselines: BaselineManifest | None,
+    store: ArtifactStore,
+    cfg: EvalConfig,
+    checkpoint: ExportManifest,
+    hidden_states: HiddenStatesManifest,
+    verifier: VerifierManifest,
+    prompts: Path,
+    baselines: BaselineManifest | None,
 ) -> Provenance:
     """The step's provenance: a server's counters are keyed by its served model name, not by local code."""
     step = route("evaluation", cfg.backend, local="transformers")
@@ -260,11 +273,18 @@ def evaluate(
             if len(done) < len(texts):
                 with clock.excluding_wait(claim()) as gpus:
                     device, max_memory = decoding_placement(verifier.path, gpus, placement, getattr(torch, cfg.dtype), cfg.device)
-                    done = _decode_prompts(cfg, device, checkpoint, hidden_states, verifier, prompts, references, done, done_log, max_memory)
+                    done = _decode_prompts(
+                        cfg, device, checkpoint, hidden_states, verifier, prompts, references, done, done_log, max_memory
+                    )
             measured = _summarize(cfg, [done[i] for i in range(len(texts))], references, baselines)
-        report = {"results": measured.results, "tau_sim": checkpoint.tau_sim, "mismatches": measured.mismatches,
-                  "draft_token_accuracy": measured.draft_token_accuracy, "draft_vocab_coverage": measured.draft_vocab_coverage,
-                  "gains_over_ngram": measured.gains_over_ngram}
+        report = {
+            "results": measured.results,
+            "tau_sim": checkpoint.tau_sim,
+            "mismatches": measured.mismatches,
+            "draft_token_accuracy": measured.draft_token_accuracy,
+            "draft_vocab_coverage": measured.draft_vocab_coverage,
+            "gains_over_ngram": measured.gains_over_ngram,
+        }
         out = work / "artifact"
         out.mkdir(exist_ok=True)
         (out / "report.json").write_text(json.dumps(report, indent=2, default=float))

@@ -47,9 +47,14 @@ def _comparison(evaluation: EvalManifest, k: int | None) -> tuple[ComparisonKey,
     k = next(iter(taus)) if k is None else k
     if k not in taus:
         raise ConfigError(f"promotion.k={k}: {where} measured EAGLE-3 tau only at k in {sorted(taus)}; set promotion.k to one of them")
-    key = ComparisonKey(verifier=evaluation.parents["verifier"], prompts=evaluation.parents["prompts"], k=k,
-                        max_new_tokens=settings["max_new_tokens"], num_prompts=evaluation.num_prompts,
-                        **{name: settings[name] for name in ("backend", "dtype") if name in settings})
+    key = ComparisonKey(
+        verifier=evaluation.parents["verifier"],
+        prompts=evaluation.parents["prompts"],
+        k=k,
+        max_new_tokens=settings["max_new_tokens"],
+        num_prompts=evaluation.num_prompts,
+        **{name: settings[name] for name in ("backend", "dtype") if name in settings},
+    )
     return key, taus[k]
 
 

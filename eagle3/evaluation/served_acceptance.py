@@ -86,10 +86,11 @@ def read_spec_decode_counters(cfg: EndpointConfig) -> SpecDecodeCounters:
         raise EndpointError(
             f"{url}: no spec-decode counters ({_PREFIX}drafts_total) for model {cfg.model!r}: the server does not "
             "serve it, or serves it without the draft. Start it with --speculative-config "
-            "'{\"method\": \"eagle3\", \"model\": \"<checkpoint>\", \"num_speculative_tokens\": 3}'."
+            '\'{"method": "eagle3", "model": "<checkpoint>", "num_speculative_tokens": 3}\'.'
         )
     return SpecDecodeCounters(
-        totals["drafts"], totals.get("accepted_tokens", 0.0),
+        totals["drafts"],
+        totals.get("accepted_tokens", 0.0),
         [per_position[i] for i in sorted(per_position)],
     )
 

@@ -200,15 +200,18 @@ class _Source:
         if self.spec.engine is not None:
             if self.engine is None:
                 longest = max(len(self.input_ids[i]) for s in self.spec.todo for i in s.records)
-                self.engine = EngineStates(self.spec.engine, self.spec.verifier, self.spec.aux, longest, self.spec.shard_root.parent / "logs",
-                                           self.spec.storage)
+                self.engine = EngineStates(
+                    self.spec.engine, self.spec.verifier, self.spec.aux, longest, self.spec.shard_root.parent / "logs", self.spec.storage
+                )
             files = [(hs_path(shard_dir, i - shard.records[0]), self.input_ids[i]) for i in shard.records]
             writer.digests.update(self.engine.extract_shard(shard_dir, files, progress.update))
             return
         if self.decoder is None:
             self.decoder = load_placed(self.spec.verifier.path, compute_dtype(self.device), self.device, self.spec.max_memory).get_decoder()
             self.capture = HiddenStateCapture(self.decoder, self.spec.aux)
-        _extract_shard(self.decoder, self.capture, writer, shard_dir, shard.records, self.input_ids, self.spec.budget, self.device, progress)
+        _extract_shard(
+            self.decoder, self.capture, writer, shard_dir, shard.records, self.input_ids, self.spec.budget, self.device, progress
+        )
 
     def close(self) -> None:
         if self.capture is not None:
@@ -344,7 +347,9 @@ def _extract_free_shards(plan: _ShardPlan, todo: list[int], base: ExtractAttempt
             raise RuntimeError("an extraction attempt ended without an error but left free shards unfinished")
 
 
-def _extract_on_workers(plan: _ShardPlan, todo: list[int], base: ExtractAttempt, workers: list[Worker], backoffs: list[BatchBackoff]) -> None:
+def _extract_on_workers(
+    plan: _ShardPlan, todo: list[int], base: ExtractAttempt, workers: list[Worker], backoffs: list[BatchBackoff]
+) -> None:
     """`_extract_free_shards` on every worker at once, one thread driving each worker's child
     processes (`backoffs[w]`: worker w's). Each worker starts at its own share of `todo`, then goes on
     to the others' shards, skipping those another worker holds (their locks), so the workers split
@@ -352,8 +357,14 @@ def _extract_on_workers(plan: _ShardPlan, todo: list[int], base: ExtractAttempt,
     fails lets the others finish their attempts (what they finish is kept), then its error is raised."""
     with ThreadPoolExecutor(len(workers), thread_name_prefix="extract-worker") as pool:
         futures = [
-            pool.submit(_extract_free_shards, plan, todo[start:] + todo[:start],
-                        base.model_copy(update={"device": worker.device, "max_memory": worker.max_memory}), worker.visible, backoff)
+            pool.submit(
+                _extract_free_shards,
+                plan,
+                todo[start:] + todo[:start],
+                base.model_copy(update={"device": worker.device, "max_memory": worker.max_memory}),
+                worker.visible,
+                backoff,
+            )
             for worker, backoff, start in zip(workers, backoffs, (w * len(todo) // len(workers) for w in range(len(workers))))
         ]
     for future in futures:
@@ -362,15 +373,24 @@ def _extract_on_workers(plan: _ShardPlan, todo: list[int], base: ExtractAttempt,
 
 def _backoff(cfg: ExtractConfig) -> BatchBackoff:
     return BatchBackoff(
-        "extract.prefill_batch_tokens", cfg.prefill_batch_tokens, "extract.min_prefill_batch_tokens", cfg.min_prefill_batch_tokens,
+        "extract.prefill_batch_tokens",
+        cfg.prefill_batch_tokens,
+        "extract.min_prefill_batch_tokens",
+        cfg.min_prefill_batch_tokens,
         kept="Finished shards are kept. Lower dataset.max_seq_len or extract.min_prefill_batch_tokens, or use a device with more memory.",
     )
 
 
-def _publish(store: ArtifactStore, provenance: Provenance, plan: _ShardPlan, aux: list[int], verifier: VerifierManifest, **numbers) -> HiddenStatesManifest:
+def _publish(
+    store: ArtifactStore, provenance: Provenance, plan: _ShardPlan, aux: list[int], verifier: VerifierManifest, **numbers
+) -> HiddenStatesManifest:
     listing = [
-        {"key": key, "first_record": shard[0], "num_records": len(shard),
-         "sha256": json.loads((plan.root / key / "done.json").read_text())["sha256"]}
+        {
+            "key": key,
+            "first_record": shard[0],
+            "num_records": len(shard),
+            "sha256": json.loads((plan.root / key / "done.json").read_text())["sha256"],
+        }
         for key, shard in zip(plan.keys, plan.shards)
     ]
     with store.work_dir("hidden_states", provenance.key) as work:
@@ -448,9 +468,19 @@ def extract_hidden_states(
                 in_step = cfg.backend == "transformers"  # else the states come from another process; this one only checks files
                 device = "cpu" if not in_step else "cuda" if gpus else str(resolve_device(cfg.device))
                 engine = cfg.engine if cfg.backend == "vllm-engine" else None
-                base = ExtractAttempt(dataset=dataset, verifier=verifier, aux=aux, device=device, shard_root=shard_root, todo=[],
-                                      budget=backoffs[0].value, served=served, served_states=served_states, engine=engine,
-                                      storage=cfg.storage)
+                base = ExtractAttempt(
+                    dataset=dataset,
+                    verifier=verifier,
+                    aux=aux,
+                    device=device,
+                    shard_root=shard_root,
+                    todo=[],
+                    budget=backoffs[0].value,
+                    served=served,
+                    served_states=served_states,
+                    engine=engine,
+                    storage=cfg.storage,
+                )
                 if in_step and gpus:
                     workers = place_verifier(verifier.path, gpus, placement, torch.bfloat16)
                     backoffs += [_backoff(cfg) for _ in range(len(workers) - len(backoffs))]
@@ -463,5 +493,14 @@ def extract_hidden_states(
                 pass
             if not plan.finished(k):
                 break  # its run died: claim again for it
-    return _publish(store, provenance, plan, aux, verifier, backoffs=[taken for backoff in backoffs for taken in backoff.taken], gpu_memory_after_mib=gpu_memory_after, seconds=clock(),
-                    storage=cfg.storage)
+    return _publish(
+        store,
+        provenance,
+        plan,
+        aux,
+        verifier,
+        backoffs=[taken for backoff in backoffs for taken in backoff.taken],
+        gpu_memory_after_mib=gpu_memory_after,
+        seconds=clock(),
+        storage=cfg.storage,
+    )

@@ -62,7 +62,12 @@ def server_args(layer_ids: list[int], storage_dir: Path, cpu: bool = False) -> l
 
 
 def read_states(
-    path: str, token_ids: list[int], shape: tuple[int, int], source: str, storage: Path, lock_timeout_s: float = LOCK_TIMEOUT_S,
+    path: str,
+    token_ids: list[int],
+    shape: tuple[int, int],
+    source: str,
+    storage: Path,
+    lock_timeout_s: float = LOCK_TIMEOUT_S,
 ) -> torch.Tensor:
     """The states `[seq, *shape]` in the file a server wrote for `token_ids`, once its writer lets
     go of the file's lock; the file is removed whatever happens. `source` names the sample and

@@ -28,7 +28,14 @@ from eagle3.store.versions import code_version, route
 from eagle3.verifier.resolve_verifier import VerifierManifest
 
 __all__ = [
-    "HiddenStatesManifest", "code_step", "hidden_state_files", "hs_path", "shard_key", "shard_lock", "shard_lock_if_free", "verify_shard",
+    "HiddenStatesManifest",
+    "code_step",
+    "hidden_state_files",
+    "hs_path",
+    "shard_key",
+    "shard_lock",
+    "shard_lock_if_free",
+    "verify_shard",
 ]
 
 
@@ -72,11 +79,16 @@ def verify_shard(shard_dir: Path, expected: list[list[int]], num_slots: int, hid
                 raise ArtifactError(path, f"fields {sorted(fields)} expected ({storage} storage), found {sorted(f.keys())}")
             found = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in fields}
             ids = f.get_tensor("token_ids")
-        shapes = {"hidden_states": (len(token_ids), num_slots, hidden_size), SCALES_KEY: (len(token_ids), 1, 1), "token_ids": (len(token_ids),)}
+        shapes = {
+            "hidden_states": (len(token_ids), num_slots, hidden_size),
+            SCALES_KEY: (len(token_ids), 1, 1),
+            "token_ids": (len(token_ids),),
+        }
         for name, dtype in fields.items():
             if found[name] != (dtype, shapes[name]):
-                raise ArtifactError(path, f"field '{name}': {found[name][0]} {found[name][1]}, expected {dtype} {shapes[name]} "
-                                          f"({storage} storage)")
+                raise ArtifactError(
+                    path, f"field '{name}': {found[name][0]} {found[name][1]}, expected {dtype} {shapes[name]} ({storage} storage)"
+                )
         if ids.tolist() != token_ids:
             raise ArtifactError(path, "field 'token_ids' does not match the prepared dataset record")
 
@@ -84,7 +96,6 @@ def verify_shard(shard_dir: Path, expected: list[list[int]], num_slots: int, hid
 def code_step(cfg: ExtractConfig) -> str:
     """The `eagle3.store.versions` entry of the route that computes the states."""
     return route("hidden_states", cfg.backend, local="transformers")
-
 
 
 def shard_key(cfg: ExtractConfig, verifier: VerifierManifest, aux: list[int], samples: list[list[int]]) -> str:
@@ -129,4 +140,3 @@ def hidden_state_files(manifest: HiddenStatesManifest) -> dict[int, Path]:
         for j in range(shard["num_records"]):
             files[shard["first_record"] + j] = hs_path(shard_root / shard["key"], j)
     return files
-

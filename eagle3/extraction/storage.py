@@ -53,8 +53,10 @@ def room_problem(tokens: int, hidden_size: int, storage: str, free_bytes: int) -
     if need * (1 + ROOM_MARGIN) + MIN_FREE_BYTES <= free_bytes:
         return None
     ways = [] if storage == "fp8" else [f"extract.storage=fp8 stores them in {_size(tokens * bytes_per_token(hidden_size, 'fp8'))}"]
-    ways += ["train.hidden_states=online stores none (the verifier computes them while the draft trains, every epoch)",
-             "free space on the store's filesystem, or set store_dir elsewhere"]
+    ways += [
+        "train.hidden_states=online stores none (the verifier computes them while the draft trains, every epoch)",
+        "free space on the store's filesystem, or set store_dir elsewhere",
+    ]
     return (
         f"{tokens:,} tokens of hidden states take {_size(need)} at {per_token_arithmetic(hidden_size, storage)}, plus "
         f"{ROOM_MARGIN:.0%} and {MIN_FREE_BYTES >> 20} MiB to spare, but the store's filesystem has {_size(free_bytes)} free. "

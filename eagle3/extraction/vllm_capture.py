@@ -65,7 +65,8 @@ def find_decoder(model: nn.Module, num_layers: int) -> nn.Module:
     preferring one of `num_layers` layers (a multimodal model's `language_model.model`, not its
     vision tower)."""
     candidates = [
-        m for m in model.modules()
+        m
+        for m in model.modules()
         if isinstance(getattr(m, "layers", None), nn.ModuleList) and isinstance(getattr(m, "norm", None), nn.Module)
     ]
     exact = [m for m in candidates if len(_submodule(m, "layers", nn.ModuleList)) == num_layers]
@@ -108,7 +109,11 @@ class _Capture:
             raise RuntimeError("hidden-state capture needs enable_prefix_caching=False: a cached prefix is never recomputed")
         text = config.model_config.hf_text_config
         n = text.num_hidden_layers
-        if config.model_config.dtype == torch.float16 and "deepseek" in text.model_type and getattr(text, "routed_scaling_factor", 1.0) != 1.0:
+        if (
+            config.model_config.dtype == torch.float16
+            and "deepseek" in text.model_type
+            and getattr(text, "routed_scaling_factor", 1.0) != 1.0
+        ):
             # vLLM's DeepSeek layers scale the residual stream by 1/routed_scaling_factor in fp16 (overflow guard)
             raise RuntimeError("a DeepSeek verifier in float16 carries a rescaled residual stream in vLLM: use bfloat16")
         if any(not 0 <= k < n for k in aux_layer_ids):
@@ -130,7 +135,9 @@ class _Capture:
         start, end = getattr(self.decoder, "start_layer", 0), getattr(self.decoder, "end_layer", len(self.layers))
         for slot, k in enumerate(aux_layer_ids):
             if k == 0 and start == 0:
-                self.handles.append(_submodule(self.decoder, "embed_tokens", nn.Module).register_forward_hook(self._output_hook(slot, layer=False)))
+                self.handles.append(
+                    _submodule(self.decoder, "embed_tokens", nn.Module).register_forward_hook(self._output_hook(slot, layer=False))
+                )
             elif k > 0 and start <= k - 1 < end:  # this pipeline stage holds layer k-1
                 self.handles.append(self.layers[k - 1].register_forward_hook(self._output_hook(slot, layer=True)))
         if end == len(self.layers):  # the last pipeline stage holds the final norm
@@ -138,8 +145,13 @@ class _Capture:
         self._wrap_runner()
 
     def describe(self) -> dict:
-        return {"rank": list(self.rank), "keeps_states": self.keep, "decoder": type(self.decoder).__name__,
-                "runner": type(self.runner).__name__, "layers": len(self.layers)}
+        return {
+            "rank": list(self.rank),
+            "keeps_states": self.keep,
+            "decoder": type(self.decoder).__name__,
+            "runner": type(self.runner).__name__,
+            "layers": len(self.layers),
+        }
 
     def close(self) -> None:
         for handle in self.handles:
@@ -256,11 +268,11 @@ class _Capture:
             slots: dict[int, torch.Tensor] = {}
             for chunk in chunks:  # in capture order: a recomputed chunk overwrites the first
                 end = chunk.offset + chunk.rows()
-                covered[chunk.offset:end] = True
+                covered[chunk.offset : end] = True
                 if chunk.token_ids is not None:
-                    ids[chunk.offset:end] = chunk.token_ids
+                    ids[chunk.offset : end] = chunk.token_ids
                 for slot, rows in chunk.slots.items():
-                    slots.setdefault(slot, torch.zeros(length, rows.shape[-1], dtype=rows.dtype))[chunk.offset:end] = rows
+                    slots.setdefault(slot, torch.zeros(length, rows.shape[-1], dtype=rows.dtype))[chunk.offset : end] = rows
             if not bool(covered.all()):
                 raise RuntimeError(f"request {req_id}: prompt positions {(~covered).nonzero().flatten()[:8].tolist()} never captured")
             if any(c.token_ids is not None for c in chunks):

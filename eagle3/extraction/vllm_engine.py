@@ -74,8 +74,12 @@ def engine_identity(cfg: EngineConfig) -> dict:
 
 
 def _llm_args(cfg: EngineConfig) -> dict:
-    args = {"tensor_parallel_size": cfg.tensor_parallel_size, "pipeline_parallel_size": cfg.pipeline_parallel_size,
-            "enable_expert_parallel": cfg.enable_expert_parallel, "gpu_memory_utilization": cfg.gpu_memory_utilization}
+    args = {
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.pipeline_parallel_size,
+        "enable_expert_parallel": cfg.enable_expert_parallel,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+    }
     if cfg.max_num_batched_tokens is not None:
         args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     return args | cfg.args
@@ -95,8 +99,9 @@ def _check_devices(cfg: EngineConfig) -> None:
 class EngineStates:
     """The vLLM engine of one extraction attempt, in its own process; `extract_shard` per shard."""
 
-    def __init__(self, cfg: EngineConfig, verifier: VerifierManifest, aux: list[int], max_prompt_tokens: int, log_dir: Path,
-                 storage: str = "bf16"):
+    def __init__(
+        self, cfg: EngineConfig, verifier: VerifierManifest, aux: list[int], max_prompt_tokens: int, log_dir: Path, storage: str = "bf16"
+    ):
         """Start the engine and wait until it is ready to take a shard; it writes files in `storage` precision.
 
         Raises:
@@ -107,9 +112,14 @@ class EngineStates:
         python = engine_python(cfg)
         engine_identity(cfg)  # a missing vLLM environment is named before anything starts
         spec = {
-            "model": str(verifier.path), "dtype": cfg.dtype, "trust_remote_code": verifier.trust_remote_code,
+            "model": str(verifier.path),
+            "dtype": cfg.dtype,
+            "trust_remote_code": verifier.trust_remote_code,
             "max_model_len": max_prompt_tokens + 1,  # the prompt and the one token each request answers
-            "aux_layer_ids": aux, "batch_tokens": cfg.batch_tokens, "llm_args": _llm_args(cfg), "storage": storage,
+            "aux_layer_ids": aux,
+            "batch_tokens": cfg.batch_tokens,
+            "llm_args": _llm_args(cfg),
+            "storage": storage,
         }
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"vllm-engine-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
@@ -123,8 +133,16 @@ class EngineStates:
         logger.info("starting vLLM's engine for %s (log: %s)", verifier.path, self.log_path)
         with open(self.log_path, "w") as log:
             # Its own session: the engine's processes are stopped together; it dies with this process.
-            self.process = subprocess.Popen(dying_with_parent(command), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                            pass_fds=(write_end,), env=env, start_new_session=True, text=True)
+            self.process = subprocess.Popen(
+                dying_with_parent(command),
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write_end,),
+                env=env,
+                start_new_session=True,
+                text=True,
+            )
         os.close(write_end)
         self.requests = cast(IO[str], self.process.stdin)  # a pipe (stdin=PIPE), never None
         self.replies = os.fdopen(read_end, "r")
@@ -140,16 +158,21 @@ class EngineStates:
         line = self.replies.readline()
         if not line:
             self.process.wait()
-            raise RuntimeError(f"vLLM's engine exited (code {self.process.returncode}) before its {kind} reply; "
-                               f"its log {self.log_path} ends:\n{self._log_tail()}")
+            raise RuntimeError(
+                f"vLLM's engine exited (code {self.process.returncode}) before its {kind} reply; "
+                f"its log {self.log_path} ends:\n{self._log_tail()}"
+            )
         message = json.loads(line)
         if "error" in message:
             error = message["error"]
             if error["path"]:
                 raise ArtifactError(Path(error["path"]), error["message"])
             cause = self._first_logged_error()
-            raise RuntimeError(f"vLLM's engine: {error['type']}: {error['message']}" + (f"; first error in its log: {cause}" if cause else "")
-                               + f" (its log: {self.log_path})")
+            raise RuntimeError(
+                f"vLLM's engine: {error['type']}: {error['message']}"
+                + (f"; first error in its log: {cause}" if cause else "")
+                + f" (its log: {self.log_path})"
+            )
         return message
 
     def _log_tail(self, lines: int = 30) -> str:
@@ -180,8 +203,13 @@ class EngineStates:
         while "written" not in (message := self._reply("written")):
             progress(message["progress"])
         stats = message["stats"]
-        logger.info("vLLM engine: %d prompts in %d forwards, at most %d in one, %d split over several steps",
-                    len(files), stats["forwards"], stats["max_requests_per_forward"], stats["split_requests"])
+        logger.info(
+            "vLLM engine: %d prompts in %d forwards, at most %d in one, %d split over several steps",
+            len(files),
+            stats["forwards"],
+            stats["max_requests_per_forward"],
+            stats["split_requests"],
+        )
         return {shard_dir / name: digest for name, digest in message["written"].items()}
 
     def close(self, stop_s: float = _STOP_S) -> None:

@@ -148,8 +148,15 @@ def main(argv: list[str]) -> int:
         from vllm import LLM, __version__
 
         llm = LLM(
-            model=spec["model"], dtype=spec["dtype"], trust_remote_code=spec["trust_remote_code"], max_model_len=spec["max_model_len"],
-            worker_extension_cls=EXTENSION, enforce_eager=True, enable_prefix_caching=False, skip_tokenizer_init=True, **spec["llm_args"],
+            model=spec["model"],
+            dtype=spec["dtype"],
+            trust_remote_code=spec["trust_remote_code"],
+            max_model_len=spec["max_model_len"],
+            worker_extension_cls=EXTENSION,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            skip_tokenizer_init=True,
+            **spec["llm_args"],
         )
         workers = llm.collective_rpc("eagle3_start_capture", args=(spec["aux_layer_ids"],))
         send({"ready": {"vllm": __version__, "workers": workers}})

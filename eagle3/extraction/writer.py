@@ -57,8 +57,9 @@ class _Batch:
     """One batch in flight: its host copy (ready once `copied` fires; the encoded tensors by file
     field), the pinned buffer that holds it (None on the CPU), and its row writes."""
 
-    def __init__(self, host: dict[str, torch.Tensor], buffer: torch.Tensor | None, non_finite: torch.Tensor,
-                 copied: torch.cuda.Event | None):
+    def __init__(
+        self, host: dict[str, torch.Tensor], buffer: torch.Tensor | None, non_finite: torch.Tensor, copied: torch.cuda.Event | None
+    ):
         self.host, self.buffer, self.non_finite, self.copied = host, buffer, non_finite, copied
         self.writes: list[Future] = []
 

@@ -202,8 +202,9 @@ class BatchBackoff:
                 f"ran out of memory {oom.where} at every batch size tried ({self.setting} = {tried}) down to "
                 f"{self.minimum_setting} = {self.minimum}: {oom.error}. {self.kept}"
             )
-        self.taken.append(Backoff(setting=self.setting, value=self.value, retry_with=self.value // 2, error=oom.error,
-                                  where=oom.where, at=oom.at))
+        self.taken.append(
+            Backoff(setting=self.setting, value=self.value, retry_with=self.value // 2, error=oom.error, where=oom.where, at=oom.at)
+        )
         logger.warning("ran out of memory %s at %s=%d; retrying with %d", oom.where, self.setting, self.value, self.value // 2)
         self.value //= 2
         return self.value

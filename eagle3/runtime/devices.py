@@ -96,7 +96,10 @@ def gpu_memory_used_mib(devices: list[str]) -> dict[str, int] | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits", "-i", ",".join(devices)],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None

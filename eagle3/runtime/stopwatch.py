@@ -32,4 +32,3 @@ class Stopwatch:
             self.start += waited
             self.wall_start += waited
             yield value
-

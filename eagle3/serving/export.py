@@ -55,9 +55,7 @@ def _expect_aux_layer_ids(path: Path, found, hidden_states: HiddenStatesManifest
         )
 
 
-def validate_checkpoint(
-    path: Path, verifier: VerifierManifest, vocab: VocabManifest, hidden_states: HiddenStatesManifest
-) -> None:
+def validate_checkpoint(path: Path, verifier: VerifierManifest, vocab: VocabManifest, hidden_states: HiddenStatesManifest) -> None:
     """Check what `vllm serve` reads: config fields, weight names and shapes, vocab buffers.
 
     Raises:

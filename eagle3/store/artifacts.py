@@ -38,8 +38,16 @@ from eagle3.store.files import TEMP_SUFFIX, atomic_write_text, digest_file, fsyn
 from eagle3.store.manifests import MANIFEST, ArtifactManifest, Producer, Provenance
 from eagle3.store.versions import code_version
 
-__all__ = ["PUBLISHED", "SERVED_STATES", "ArtifactError", "ArtifactStore", "artifact_damage", "digest_tree", "read_manifest_record",
-           "step_provenance"]
+__all__ = [
+    "PUBLISHED",
+    "SERVED_STATES",
+    "ArtifactError",
+    "ArtifactStore",
+    "artifact_damage",
+    "digest_tree",
+    "read_manifest_record",
+    "step_provenance",
+]
 
 PUBLISHED = "published"  # <kind>-<provenance key> -> digest of the artifact published for it
 SERVED_STATES = "served-states"  # where an extracting vLLM server writes states files by default (`eagle3 extraction-server`)
@@ -73,8 +81,11 @@ def digest_tree(root: Path, file_digest=digest_file) -> str:
 
 
 def _damaged(manifest: Path, why: str) -> ArtifactError:
-    return ArtifactError(manifest, f"{why}: the artifact is damaged; delete {manifest.parent} and re-run to compute it again "
-                                   "(`eagle3 artifacts verify --remove` removes every damaged artifact)")
+    return ArtifactError(
+        manifest,
+        f"{why}: the artifact is damaged; delete {manifest.parent} and re-run to compute it again "
+        "(`eagle3 artifacts verify --remove` removes every damaged artifact)",
+    )
 
 
 def _record_or_problem(manifest: Path) -> dict | str:
@@ -274,4 +285,3 @@ def step_provenance(step: str, store: ArtifactStore, **inputs: Any) -> Provenanc
         else:
             config[name] = value
     return Provenance(parents=parents, config=config, code_version=code_version(step))
-

@@ -37,8 +37,9 @@ def read_done(path: Path, unit: str) -> dict:
     data = path.read_bytes()
     complete = data.rfind(b"\n") + 1
     if complete < len(data):
-        logger.warning("%s: dropping an incomplete last line (%d bytes, a write cut short); its %s is redone",
-                       path, len(data) - complete, unit)
+        logger.warning(
+            "%s: dropping an incomplete last line (%d bytes, a write cut short); its %s is redone", path, len(data) - complete, unit
+        )
         os.truncate(path, complete)
     return parse_done(data, path, unit)
 
@@ -55,10 +56,14 @@ def parse_done(data: bytes, path: Path, unit: str) -> dict:
         try:
             entry = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ArtifactError(path, f"line {number} is not JSON ({exc}); delete that line (its {unit} is redone) "
-                                      "or the file (all are)") from exc
+            raise ArtifactError(
+                path, f"line {number} is not JSON ({exc}); delete that line (its {unit} is redone) or the file (all are)"
+            ) from exc
         if not isinstance(entry, dict) or "id" not in entry:
-            raise ArtifactError(path, f"line {number}: field 'id' is missing: not a finished {unit}; delete that line "
-                                      f"(its {unit} is redone) or the file (all are)")
+            raise ArtifactError(
+                path,
+                f"line {number}: field 'id' is missing: not a finished {unit}; delete that line "
+                f"(its {unit} is redone) or the file (all are)",
+            )
         done[entry["id"]] = entry
     return done

@@ -51,4 +51,3 @@ def fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-

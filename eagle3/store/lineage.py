@@ -76,9 +76,14 @@ def lineage_table(nodes: dict[str, dict], run_id: str | None = None) -> list[dic
     """One row per node: digest, parents' digests, producing task run and flow run; `run_id` (the
     run the table is for) tells this run's artifacts from cached ones."""
     return [
-        {"kind": n["kind"], "digest": d[:16], "parents": ", ".join(f"{k}={v[:12]}" for k, v in n["parents"].items()),
-         "origin": _origin(n, run_id), "task_run": (n.get("producer") or {}).get("task_run_id", ""),
-         "path": str(n.get("path", n.get("name", "")))}
+        {
+            "kind": n["kind"],
+            "digest": d[:16],
+            "parents": ", ".join(f"{k}={v[:12]}" for k, v in n["parents"].items()),
+            "origin": _origin(n, run_id),
+            "task_run": (n.get("producer") or {}).get("task_run_id", ""),
+            "path": str(n.get("path", n.get("name", ""))),
+        }
         for d, n in sorted(nodes.items(), key=lambda item: item[1]["kind"])
     ]
 
@@ -89,12 +94,12 @@ def to_mermaid(nodes: dict[str, dict], run_id: str | None = None) -> str:
     lines = ["flowchart LR"]
     for digest, node in nodes.items():
         if node["kind"] == "input":
-            lines.append(f"  n{digest[:12]}([\"input: {node['name']}<br/>{digest[:12]}\"])")
+            lines.append(f'  n{digest[:12]}(["input: {node["name"]}<br/>{digest[:12]}"])')
             continue
         producer = _producing_run(node)
         by = f"<br/>run {producer[:8]}" if producer else ""
         style = "" if run_id is None else ":::new" if producer == run_id else ":::cached"
-        lines.append(f"  n{digest[:12]}[\"{node['kind']}<br/>{digest[:12]}{by}\"]{style}")
+        lines.append(f'  n{digest[:12]}["{node["kind"]}<br/>{digest[:12]}{by}"]{style}')
     for digest, node in nodes.items():
         for name, parent in node["parents"].items():
             lines.append(f"  n{parent[:12]} -->|{name}| n{digest[:12]}")
@@ -111,5 +116,7 @@ def change_summary(nodes: dict[str, dict], run_id: str) -> str:
     if new:
         return f"This run produced {len(new)} of its {len(artifacts)} artifacts: {', '.join(new)}."
     earlier = sorted({r for n in artifacts if (r := _producing_run(n))}) or ["outside a flow run"]
-    return (f"Nothing changed: this run produced no artifact; all {len(artifacts)} artifacts it used "
-            f"come from earlier runs ({', '.join(earlier)}).")
+    return (
+        f"Nothing changed: this run produced no artifact; all {len(artifacts)} artifacts it used "
+        f"come from earlier runs ({', '.join(earlier)})."
+    )

@@ -22,7 +22,13 @@ from eagle3.store.artifacts import ArtifactError, ArtifactStore
 from eagle3.store.files import atomic_write_text
 
 __all__ = [
-    "PROMOTIONS", "ComparisonKey", "PromotionRecord", "best_promoted", "promoted_checkpoints", "promotions_held", "read_promotions",
+    "PROMOTIONS",
+    "ComparisonKey",
+    "PromotionRecord",
+    "best_promoted",
+    "promoted_checkpoints",
+    "promotions_held",
+    "read_promotions",
     "record_promotion",
 ]
 
@@ -64,17 +70,22 @@ class PromotionRecord(BaseModel):
     ngram_tau: float | None = Field(None, description="n-gram prompt lookup's tau at key.k on the same prompts (None: not measured)")
     min_gain_over_ngram: float = 0.0
     beats_ngram: bool | None = Field(
-        None, description="whether tau beats ngram_tau by more than min_gain_over_ngram (None: no n-gram baseline to check)")
+        None, description="whether tau beats ngram_tau by more than min_gain_over_ngram (None: no n-gram baseline to check)"
+    )
     gain_standard_error: float | None = Field(
-        None, description="standard error of tau minus best_earlier_tau, paired over the prompts (None: no best "
+        None,
+        description="standard error of tau minus best_earlier_tau, paired over the prompts (None: no best "
         "earlier; either evaluation kept no per-prompt counts, as backend 'vllm' and evaluations made before they "
-        "were kept, or was deleted; fewer than two prompts; or no verifier pass)")
+        "were kept, or was deleted; fewer than two prompts; or no verifier pass)",
+    )
 
     def summary(self) -> str:
         measured = f"tau {self.tau:.3f} at k={self.key.k} on {self.key.num_prompts} prompts"
         if self.beats_ngram is False:
-            return (f"not promoted: {measured} does not beat n-gram prompt lookup's tau {self.ngram_tau:.3f} on the same prompts "
-                    f"by more than {self.min_gain_over_ngram}: not worth serving, since n-gram lookup needs no training")
+            return (
+                f"not promoted: {measured} does not beat n-gram prompt lookup's tau {self.ngram_tau:.3f} on the same prompts "
+                f"by more than {self.min_gain_over_ngram}: not worth serving, since n-gram lookup needs no training"
+            )
         unchecked_ngram = "; n-gram lookup not measured here, so not compared" if self.beats_ngram is None else ""
         if self.best_earlier_tau is None:
             return f"promoted: {measured}; first checkpoint evaluated on this verifier and eval set{unchecked_ngram}"
@@ -88,8 +99,10 @@ class PromotionRecord(BaseModel):
         elif self.min_standard_errors:
             unchecked = f" ({self.min_standard_errors} standard errors not checked: no paired standard error measured)"
         gain = with_error(self.tau - self.best_earlier_tau, self.gain_standard_error, signed=True)
-        return (f"{verdict}: {measured} {beats} the best earlier promoted tau {self.best_earlier_tau:.3f} "
-                f"(checkpoint {self.best_earlier_checkpoint[:12]}) by {bar}: {gain}{unchecked}{unchecked_ngram}")
+        return (
+            f"{verdict}: {measured} {beats} the best earlier promoted tau {self.best_earlier_tau:.3f} "
+            f"(checkpoint {self.best_earlier_checkpoint[:12]}) by {bar}: {gain}{unchecked}{unchecked_ngram}"
+        )
 
 
 def read_promotions(store: ArtifactStore) -> list[PromotionRecord]:
@@ -120,7 +133,6 @@ def promoted_checkpoints(store: ArtifactStore) -> list[PromotionRecord]:
     keys = dict.fromkeys(r.key for r in records if r.promoted)
     # Each key is some promoted record's, so best_promoted finds one for it.
     return sorted((cast(PromotionRecord, best_promoted(records, key)) for key in keys), key=lambda r: r.recorded_at)
-
 
 
 @contextmanager

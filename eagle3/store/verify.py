@@ -105,8 +105,11 @@ def verify_store(store: ArtifactStore, workers: int | None = None) -> tuple[int,
     shard_root = store.root / "shards"
     shards = sorted(p for p in shard_root.iterdir() if p.is_dir() and "." not in p.name) if shard_root.exists() else []
     with ThreadPoolExecutor(workers or _workers(), thread_name_prefix="verify") as pool:
-        damaged = [Damage("artifact", path, problem) for path, problem in zip(artifacts, pool.map(artifact_damage, artifacts))
-                   if problem is not None]
+        damaged = [
+            Damage("artifact", path, problem)
+            for path, problem in zip(artifacts, pool.map(artifact_damage, artifacts))
+            if problem is not None
+        ]
     damaged += verify_shards(shards, workers)
     return len(artifacts) + len(shards), damaged
 

@@ -44,7 +44,9 @@ STEPS: dict[str, StepCode] = {
     "hidden_states/online": StepCode(1),  # what training computes the states from (train.hidden_states=online); no states
     "vocab_mapping": StepCode(1, ("torch", "speculators")),
     "draft": StepCode(2, ("torch", "transformers", "speculators")),  # 2: ships the epoch with the best tau_sim, not the last
-    "draft/online": StepCode(1, ("torch", "transformers", "speculators")),  # the verifier's states computed in training: no hidden-state artifact
+    "draft/online": StepCode(
+        1, ("torch", "transformers", "speculators")
+    ),  # the verifier's states computed in training: no hidden-state artifact
     "checkpoint": StepCode(1, ("torch", "speculators")),
     "baseline": StepCode(1, ("torch", "transformers")),
     "evaluation": StepCode(1, ("torch", "transformers", "speculators")),

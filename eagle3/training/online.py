@@ -62,14 +62,29 @@ def online_states(
     from eagle3.extraction.extract_hidden_states import resolve_aux_layer_ids
 
     if cfg.backend != "transformers":
-        raise ConfigError(f"train.hidden_states=online computes states in the training process: it needs extract.backend="
-                          f"transformers, not '{cfg.backend}' (or set train.hidden_states=offline)")
+        raise ConfigError(
+            f"train.hidden_states=online computes states in the training process: it needs extract.backend="
+            f"transformers, not '{cfg.backend}' (or set train.hidden_states=offline)"
+        )
     aux = resolve_aux_layer_ids(cfg.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
-    recipe = {"verifier": verifier.digest, "dataset": dataset.digest, "aux_layer_ids": aux, "hidden_size": verifier.hidden_size,
-              "storage": cfg.storage}
+    recipe = {
+        "verifier": verifier.digest,
+        "dataset": dataset.digest,
+        "aux_layer_ids": aux,
+        "hidden_size": verifier.hidden_size,
+        "storage": cfg.storage,
+    }
     with store.work_dir("online_states", provenance.key) as work:
         atomic_write_text(work / "online.json", json.dumps(recipe, indent=0))
-        return store.publish(work, OnlineStatesManifest(
-            **provenance.model_dump(), path=work, aux_layer_ids=aux, hidden_size=verifier.hidden_size,
-            num_records=dataset.num_records, num_tokens=dataset.num_tokens, storage=cfg.storage,
-        ))
+        return store.publish(
+            work,
+            OnlineStatesManifest(
+                **provenance.model_dump(),
+                path=work,
+                aux_layer_ids=aux,
+                hidden_size=verifier.hidden_size,
+                num_records=dataset.num_records,
+                num_tokens=dataset.num_tokens,
+                storage=cfg.storage,
+            ),
+        )

@@ -35,8 +35,16 @@ class OnlineStates(HiddenStatesTransfer):
     """States of the samples `prefill` was given, computed by the verifier on `device`, handed to
     speculators' dataset in `dtype` (the training dtype), each once unless kept."""
 
-    def __init__(self, verifier_path, aux_layer_ids: list[int], storage: str, device: torch.device, dtype: torch.dtype, budget: int,
-                 keep_bytes: int = 0):
+    def __init__(
+        self,
+        verifier_path,
+        aux_layer_ids: list[int],
+        storage: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        budget: int,
+        keep_bytes: int = 0,
+    ):
         self.decoder = load_placed(verifier_path, compute_dtype(device), device).get_decoder()
         self.capture = HiddenStateCapture(self.decoder, aux_layer_ids)
         self.storage, self.device, self.dtype, self.budget, self.keep_bytes = storage, device, dtype, budget, keep_bytes
@@ -71,8 +79,10 @@ class OnlineStates(HiddenStatesTransfer):
     def _take(self, file_idx: int, states: torch.Tensor, token_ids: torch.Tensor) -> None:
         if not torch.isfinite(states).all():
             slots = (~torch.isfinite(states)).sum(dim=(0, 2)).tolist()
-            raise RuntimeError(f"sample {file_idx} of the training data: the verifier's states are not finite (per layer slot {slots}); "
-                               "a verifier in float16, or damaged weights?")
+            raise RuntimeError(
+                f"sample {file_idx} of the training data: the verifier's states are not finite (per layer slot {slots}); "
+                "a verifier in float16, or damaged weights?"
+            )
         encoded = encode(states, self.storage)
         self.ready[file_idx] = (encoded, token_ids)
         size = sum(t.nbytes for t in encoded.values()) + token_ids.nbytes

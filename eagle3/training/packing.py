@@ -69,10 +69,13 @@ def supervised_extent(dataset: DatasetManifest, total_seq_len: int | None = None
         first += batch.num_rows
     record = int(np.argmax(last)) if table.num_rows else 0
     return SupervisedExtent(
-        tokens=int(last.max(initial=0)), record=record,
+        tokens=int(last.max(initial=0)),
+        record=record,
         record_id=str(table.column("record_id")[record].as_py()) if table.num_rows else "",
         seq_len=int(table.column("seq_len")[record].as_py()) if table.num_rows else 0,
-        num_records=table.num_rows, cut_tokens=cut_tokens, cut_records=cut_records,
+        num_records=table.num_rows,
+        cut_tokens=cut_tokens,
+        cut_records=cut_records,
     )
 
 
@@ -108,16 +111,19 @@ class LosslessBackoff(BatchBackoff):
     def __init__(self, cfg: TrainConfig, extent: SupervisedExtent, dataset: DatasetManifest, kept: str):
         if extent.tokens > cfg.min_total_seq_len:
             floor_setting = f"the longest record's last supervised position (record {extent.record}, '{extent.record_id}')"
-            kept += (f" Below {extent.tokens} tokens that record would lose supervised tokens: lower {_max_seq_len(dataset)}, "
-                     "or train on a device with more memory.")
+            kept += (
+                f" Below {extent.tokens} tokens that record would lose supervised tokens: lower {_max_seq_len(dataset)}, "
+                "or train on a device with more memory."
+            )
         else:
             floor_setting = "train.min_total_seq_len"
         super().__init__("train.total_seq_len", cfg.total_seq_len, floor_setting, max(cfg.min_total_seq_len, extent.tokens), kept)
 
     def after(self, oom: OutOfMemory) -> int:
         if self.minimum < self.value < 2 * self.minimum:  # half would cut: try the floor itself once
-            self.taken.append(Backoff(setting=self.setting, value=self.value, retry_with=self.minimum, error=oom.error,
-                                      where=oom.where, at=oom.at))
+            self.taken.append(
+                Backoff(setting=self.setting, value=self.value, retry_with=self.minimum, error=oom.error, where=oom.where, at=oom.at)
+            )
             logger.warning("ran out of memory %s at %s=%d; retrying with %d", oom.where, self.setting, self.value, self.minimum)
             self.value = self.minimum
             return self.value

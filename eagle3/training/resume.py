@@ -59,8 +59,12 @@ def _whole(epoch_dir: Path) -> bool:
             pass
     except (OSError, ValueError, SafetensorError):
         return False
-    return (isinstance(state, dict) and state.get("epoch") == int(epoch_dir.name) and state.get("local_step", 0) == 0
-            and (epoch_dir / "optimizer_state_dict.pt").is_file())
+    return (
+        isinstance(state, dict)
+        and state.get("epoch") == int(epoch_dir.name)
+        and state.get("local_step", 0) == 0
+        and (epoch_dir / "optimizer_state_dict.pt").is_file()
+    )
 
 
 def _epoch_dirs(checkpoints: Path) -> list[int]:
@@ -107,11 +111,18 @@ def prepare_resume(checkpoints: Path, metrics_log: Path, timing_log: Path, ttt_s
         if target in keep and entry.name != INTERRUPTED:
             continue
         if entry.name == INTERRUPTED:
-            logger.warning("%s: discarding speculators' checkpoint of an interrupted epoch (it records no step position); "
-                           "training resumes from the end of epoch %d", entry, point.epoch)
+            logger.warning(
+                "%s: discarding speculators' checkpoint of an interrupted epoch (it records no step position); "
+                "training resumes from the end of epoch %d",
+                entry,
+                point.epoch,
+            )
         elif entry.is_dir() and not entry.is_symlink():
-            logger.warning("%s: discarding an epoch checkpoint cut short or past the last validated epoch; "
-                           "training resumes from the end of epoch %d", entry, point.epoch)
+            logger.warning(
+                "%s: discarding an epoch checkpoint cut short or past the last validated epoch; training resumes from the end of epoch %d",
+                entry,
+                point.epoch,
+            )
         _remove_entry(entry)
     rewrite_log(metrics_log, lambda record: record.get("epoch", -1) <= point.epoch)
     rewrite_log(timing_log)

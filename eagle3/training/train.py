@@ -73,7 +73,9 @@ class DraftManifest(ArtifactManifest):
     epochs: list[dict[str, float]]
     num_steps: int
     tau_sim: float = Field(description="the selected epoch's simulated acceptance length on the validation split")
-    selected_epoch: int | None = Field(None, description="the epoch whose weights the draft ships: the best tau_sim (eagle3.training.epochs)")
+    selected_epoch: int | None = Field(
+        None, description="the epoch whose weights the draft ships: the best tau_sim (eagle3.training.epochs)"
+    )
     checkpoint: str = "checkpoint"
     backoffs: list[Backoff] = Field(default_factory=list)
     gpu_memory_after_mib: dict[str, int] | None = Field(
@@ -186,8 +188,16 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) ->
 
     spec_file = spec.work / "spec.json"
     atomic_write_text(spec_file, spec.model_dump_json())
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(gpus)}",
-               "-m", "eagle3.training.train_worker", str(spec_file)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={len(gpus)}",
+        "-m",
+        "eagle3.training.train_worker",
+        str(spec_file),
+    ]
     env = {"TORCHINDUCTOR_CACHE_DIR": str(compile_cache), **os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
     log_path = spec.work / "train.log"
     # Follow only what this attempt appends (a resumed run's log already holds earlier attempts).
@@ -266,11 +276,18 @@ def train_draft(
         if not online:
             _verify_hidden_states(store, hidden_states)
         _speculators_data_dir(work, dataset, None if online else hidden_states)
-        backoff = LosslessBackoff(cfg, extent, dataset, kept=f"Finished epochs are kept in {work / 'checkpoints'}: a re-run resumes from the last.")
+        backoff = LosslessBackoff(
+            cfg, extent, dataset, kept=f"Finished epochs are kept in {work / 'checkpoints'}: a re-run resumes from the last."
+        )
         with clock.excluding_wait(claim()) as gpus:
             spec = TrainSpec(
-                cfg=cfg, work=work, verifier_path=verifier.path, aux_layer_ids=hidden_states.aux_layer_ids,
-                hidden_size=hidden_states.hidden_size, vocab=vocab, total_seq_len=cfg.total_seq_len,
+                cfg=cfg,
+                work=work,
+                verifier_path=verifier.path,
+                aux_layer_ids=hidden_states.aux_layer_ids,
+                hidden_size=hidden_states.hidden_size,
+                vocab=vocab,
+                total_seq_len=cfg.total_seq_len,
                 device="cuda" if gpus else str(resolve_device(cfg.device)),
                 init_checkpoint=init.path / init.checkpoint if init else None,
                 online_storage=hidden_states.storage if online else None,

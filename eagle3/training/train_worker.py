@@ -90,8 +90,12 @@ def _collect_metrics(log: Path, timing_log: Path, on_record) -> Iterator[None]:
                 entry = {k: v for k, v in record.msg.items() if k != "profile"}
                 with open(log, "a") as f:
                     f.write(json.dumps(entry, default=float) + "\n")
-                timing = {"global_step": entry.get("global_step"), "ended_at": time.time(), "validation": "val" in entry,
-                          **(record.msg.get("profile") or {})}
+                timing = {
+                    "global_step": entry.get("global_step"),
+                    "ended_at": time.time(),
+                    "validation": "val" in entry,
+                    **(record.msg.get("profile") or {}),
+                }
                 with open(timing_log, "a") as f:
                     f.write(json.dumps(timing, default=float) + "\n")
                 on_record(entry)
@@ -275,8 +279,15 @@ def _transfer(spec: TrainSpec, device: torch.device, dtype: torch.dtype):
     from eagle3.training.online_transfer import OnlineStates
 
     verifier_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if device.type == "cuda" else device
-    return OnlineStates(spec.verifier_path, spec.aux_layer_ids, spec.online_storage, verifier_device, dtype,
-                        budget=spec.total_seq_len, keep_bytes=int(spec.cfg.online_buffer_gb * 1e9))
+    return OnlineStates(
+        spec.verifier_path,
+        spec.aux_layer_ids,
+        spec.online_storage,
+        verifier_device,
+        dtype,
+        budget=spec.total_seq_len,
+        keep_bytes=int(spec.cfg.online_buffer_gb * 1e9),
+    )
 
 
 @contextmanager

@@ -73,10 +73,9 @@ def render_training_curves(metrics: Path, out: Path, ttt_steps: int) -> Path:
     loss.set(title="loss", xlabel="epoch")
     loss.legend(fontsize="small")
     for k in range(ttt_steps):
-        line, = accept.plot(x, [r["train"][f"cond_acc_{k}"] for r in train], lw=0.8, alpha=0.5)
+        (line,) = accept.plot(x, [r["train"][f"cond_acc_{k}"] for r in train], lw=0.8, alpha=0.5)
         if val:
-            accept.plot(val_x, [r["val"][f"cond_acc_{k}_epoch"] for r in val], "o-", color=line.get_color(),
-                        label=f"step {k} (val)")
+            accept.plot(val_x, [r["val"][f"cond_acc_{k}_epoch"] for r in val], "o-", color=line.get_color(), label=f"step {k} (val)")
     accept.set(title="acceptance per TTT step (faint: train)", xlabel="epoch", ylim=(0, 1))
     if val:
         accept.legend(fontsize="small")

@@ -66,7 +66,9 @@ def build_vocab_mapping(
         logger.warning(
             "vocab.draft_vocab_size = %d but only %d distinct tokens are supervised: %d draft ids are "
             "padding the draft will never learn. Use more data or a smaller draft_vocab_size.",
-            cfg.draft_vocab_size, len(freq), padded,
+            cfg.draft_vocab_size,
+            len(freq),
+            padded,
         )
     with store.work_dir("vocab_mapping", provenance.key) as work:
         save_file({"d2t": d2t, "t2d": t2d}, work / FILE)

@@ -29,15 +29,20 @@ def warm_start(model, checkpoint: Path) -> None:
     weights_file = checkpoint / "model.safetensors"
     earlier = load_file(weights_file)
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    unfit = [f"{n} (missing)" if n not in earlier else f"{n} {tuple(earlier[n].shape)} vs {tuple(p.shape)}"
-             for n, p in trainable.items() if n not in earlier or earlier[n].shape != p.shape]
+    unfit = [
+        f"{n} (missing)" if n not in earlier else f"{n} {tuple(earlier[n].shape)} vs {tuple(p.shape)}"
+        for n, p in trainable.items()
+        if n not in earlier or earlier[n].shape != p.shape
+    ]
     if unfit:
         raise ArtifactError(
             weights_file, f"cannot warm-start this draft from it: {', '.join(unfit)}; set train.init_from=scratch to train afresh"
         )
     config_file = checkpoint / "config.json"
     if not config_file.exists():
-        raise ArtifactError(config_file, "missing: it names the verifier layers that draft read; set train.init_from=scratch to train afresh")
+        raise ArtifactError(
+            config_file, "missing: it names the verifier layers that draft read; set train.init_from=scratch to train afresh"
+        )
     earlier_ids = json.loads(config_file.read_text()).get("eagle_aux_hidden_state_layer_ids")
     ids = list(model.config.eagle_aux_hidden_state_layer_ids)
     if earlier_ids != ids:

@@ -49,4 +49,3 @@ class HiddenStateCapture:
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
-

@@ -138,8 +138,9 @@ class StaticForward:
         self.cache.positions = positions
         mask = torch.full((len(positions), len(self.columns)), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
         mask.masked_fill_(self.columns[None, :] <= positions[:, None], 0.0)  # [q, max_len], additive: causal over the buffers
-        out = self.model(input_ids=ids, position_ids=positions[None], attention_mask=mask[None, None], past_key_values=self.cache,
-                         use_cache=True)
+        out = self.model(
+            input_ids=ids, position_ids=positions[None], attention_mask=mask[None, None], past_key_values=self.cache, use_cache=True
+        )
         return out.logits[0].argmax(-1), aux_states(self.capture)
 
     def _capture(self, ids: torch.Tensor, positions: torch.Tensor) -> _Graph:
@@ -249,6 +250,9 @@ def forward_for(model, capture: HiddenStateCapture | None, max_len: int, probe: 
         forward = StaticForward(model, capture, max(max_len, len(probe) + PROBE_TOKENS))
         if decodes_like_dynamic(forward, probe):
             return forward
-        logger.warning("%s verifier: decoding on fixed KV buffers differs from transformers' dynamic cache on the first "
-                       "prompt; decoding on the dynamic cache instead", model.config.model_type)
+        logger.warning(
+            "%s verifier: decoding on fixed KV buffers differs from transformers' dynamic cache on the first "
+            "prompt; decoding on the dynamic cache instead",
+            model.config.model_type,
+        )
     return DynamicForward(model, capture)

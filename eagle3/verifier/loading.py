@@ -14,7 +14,13 @@ if TYPE_CHECKING:  # imported where used: the flow loads this module on every ru
     import torch
 
 __all__ = [
-    "chat_prompt_ids", "eos_token_ids", "load_text_model", "load_tokenizer", "read_config", "text_config", "text_model_class",
+    "chat_prompt_ids",
+    "eos_token_ids",
+    "load_text_model",
+    "load_tokenizer",
+    "read_config",
+    "text_config",
+    "text_model_class",
 ]
 
 
@@ -25,7 +31,9 @@ def read_config(path: Path):
     try:
         return transformers.AutoConfig.from_pretrained(path)
     except (ValueError, OSError) as exc:
-        raise ArtifactError(path / "config.json", f"transformers {transformers.__version__} cannot read it: {str(exc).splitlines()[0]}") from exc
+        raise ArtifactError(
+            path / "config.json", f"transformers {transformers.__version__} cannot read it: {str(exc).splitlines()[0]}"
+        ) from exc
 
 
 def text_config(config):
@@ -47,7 +55,11 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, ImportError) as exc:
-        hint = "" if trust_remote_code or "trust_remote_code" not in str(exc) else " (set verifier.trust_remote_code=true if you trust that code)"
+        hint = (
+            ""
+            if trust_remote_code or "trust_remote_code" not in str(exc)
+            else " (set verifier.trust_remote_code=true if you trust that code)"
+        )
         raise ArtifactError(path, f"missing or unreadable tokenizer: {exc}{hint}") from exc
 
 
@@ -143,9 +155,10 @@ def load_text_model(path: Path, dtype: torch.dtype, device: str | torch.device, 
     # A nested checkpoint may leave out its vision tower (never run on text); not the decoder or head.
     if missing := sorted(k for k in info["missing_keys"] if k.startswith((decoder + ".", "lm_head."))):
         raise ArtifactError(
-            path, f"weights {missing[:5]}{' ...' if len(missing) > 5 else ''} of {type(model).__name__} are not in the "
-            "checkpoint: it is not a checkpoint of its config.json")
+            path,
+            f"weights {missing[:5]}{' ...' if len(missing) > 5 else ''} of {type(model).__name__} are not in the "
+            "checkpoint: it is not a checkpoint of its config.json",
+        )
     if loading:
         _cast_dequantized(model, dtype)
     return (model if device_map is not None else model.to(device)).eval()
-

@@ -39,8 +39,20 @@ if TYPE_CHECKING:  # imported where used: the flow loads this module on every ru
     from transformers import PreTrainedModel
 
 __all__ = [
-    "GIB", "Worker", "decoding_placement", "device_map", "gpu_memory_bytes", "gpus_needed", "gpus_to_decode", "largest_unit",
-    "load_placed", "meta_model", "model_bytes", "offloaded", "place_verifier", "planned_device_map",
+    "GIB",
+    "Worker",
+    "decoding_placement",
+    "device_map",
+    "gpu_memory_bytes",
+    "gpus_needed",
+    "gpus_to_decode",
+    "largest_unit",
+    "load_placed",
+    "meta_model",
+    "model_bytes",
+    "offloaded",
+    "place_verifier",
+    "planned_device_map",
 ]
 
 GIB = 2**30
@@ -145,7 +157,10 @@ def gpu_memory_bytes(devices: list[str]) -> list[int] | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", ",".join(devices)],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
@@ -158,7 +173,8 @@ class Worker(BaseModel):
     visible: list[str] = Field(description="its CUDA_VISIBLE_DEVICES ([]: none, a CPU worker)")
     device: str = Field(description="where its inputs go: 'cuda' (its first visible GPU) or 'cpu'")
     max_memory: dict[int | str, int] | None = Field(
-        None, description="bytes each visible device's share of the layers may take, when they are spread over several; None: the whole model on `device`"
+        None,
+        description="bytes each visible device's share of the layers may take, when they are spread over several; None: the whole model on `device`",
     )
 
 
@@ -206,7 +222,9 @@ def gpus_to_decode(path: Path, cfg: VerifierConfig | None, dtype: torch.dtype) -
     return 1 if gpus_needed(meta_model(path, dtype), int(memory[0] * cfg.gpu_memory_fraction)) == 1 else cfg.num_gpus
 
 
-def decoding_placement(path: Path, gpus: list[str] | None, cfg: VerifierConfig | None, dtype: torch.dtype, fallback: str) -> tuple[str, dict | None]:
+def decoding_placement(
+    path: Path, gpus: list[str] | None, cfg: VerifierConfig | None, dtype: torch.dtype, fallback: str
+) -> tuple[str, dict | None]:
     """Where a decoding step puts the verifier in its own process, on its claimed `gpus` (None: on
     `fallback`): the device its inputs go to, and the byte budgets of the host's GPUs its layers are
     spread over (None: the whole model on that device).

@@ -81,13 +81,16 @@ def _check_hf_dir(path: Path, trust_remote_code: bool = False) -> None:
         with safe_open(shard, "pt") as weights:
             if quantized := [key for key in weights.keys() if QUANTIZED_EMBEDDING_OR_HEAD.search(key)]:  # noqa: SIM118 - safe_open is not iterable
                 raise ArtifactError(
-                    shard, f"tensor '{quantized[0]}': the verifier's token embeddings or head are quantized. Training "
+                    shard,
+                    f"tensor '{quantized[0]}': the verifier's token embeddings or head are quantized. Training "
                     "takes them from the checkpoint as stored (speculators reads them by name), so they must be kept "
-                    "unquantized (llm-compressor leaves lm_head out unless told otherwise).")
+                    "unquantized (llm-compressor leaves lm_head out unless told otherwise).",
+                )
     if load_tokenizer(path, trust_remote_code).chat_template is None:
         raise ArtifactError(
-            path, "the tokenizer has no chat template: conversations are tokenized, regenerated and evaluated "
-            "through it. Use an instruct/chat model, or set tokenizer.chat_template and save it beside the weights."
+            path,
+            "the tokenizer has no chat template: conversations are tokenized, regenerated and evaluated "
+            "through it. Use an instruct/chat model, or set tokenizer.chat_template and save it beside the weights.",
         )
 
 
@@ -123,8 +126,7 @@ def resolve_verifier(cfg: VerifierConfig, store: ArtifactStore) -> VerifierManif
     if not source.exists():
         raise ArtifactError(source, "verifier.path does not exist")
     source_digest = store.input_digest(source)
-    provenance = Provenance(parents={"source": source_digest}, config={"source": str(source)},
-                            code_version=code_version("verifier"))
+    provenance = Provenance(parents={"source": source_digest}, config={"source": str(source)}, code_version=code_version("verifier"))
     if source.suffix != ".gguf":
         _check_hf_dir(source, cfg.trust_remote_code)
         manifest = _manifest(source, source_digest, provenance)
@@ -158,4 +160,3 @@ def _manifest(hf_dir: Path, source_digest: str, provenance: Provenance) -> Verif
 def verifier_tokenizer(verifier: VerifierManifest):
     """The verifier's tokenizer, loaded as the verifier step resolved it (with its own code or not)."""
     return load_tokenizer(verifier.path, verifier.trust_remote_code)
-

@@ -36,12 +36,11 @@ def test_the_form_schema_carries_descriptions_defaults_and_bounds(deployments):
 def test_the_server_rejects_invalid_parameters_before_a_run_starts(deployments):
     from prefect.client.orchestration import get_client
 
-    with get_client(sync_client=True) as client, pytest.raises(
-        Exception, match=r"Validation failed for field 'config.train.lr'.*less than or equal to the minimum of 0"
+    with (
+        get_client(sync_client=True) as client,
+        pytest.raises(Exception, match=r"Validation failed for field 'config.train.lr'.*less than or equal to the minimum of 0"),
     ):
-        client.create_flow_run_from_deployment(
-            deployments["train-on-demand"].id, parameters={"config": {"train": {"lr": -1.0}}}
-        )
+        client.create_flow_run_from_deployment(deployments["train-on-demand"].id, parameters={"config": {"train": {"lr": -1.0}}})
 
 
 def test_a_triggered_run_completes_on_a_worker_with_its_artifacts_and_library_warnings(deployments, tiny_run_config, start_worker):

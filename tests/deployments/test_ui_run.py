@@ -19,8 +19,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.browser]
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "test-output" / "ui"
 # Without the networking flags headless Chromium stalls on connections it cannot make here.
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 CHANGED_LR = 7e-4
 RUN_STATE = ".page-heading-flow-run__meta .state-badge"
 FINAL_STATE = re.compile(r"^(Completed|Failed|Crashed|Cancelled)$")
@@ -193,8 +199,9 @@ def test_a_custom_run_from_the_ui_completes_and_shows_its_artifacts(
 
     with get_client(sync_client=True) as client:
         parameters = client.read_flow_run(run_id).parameters["config"]
-        [lineage] = client.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=ArtifactFilterKey(any_=["lineage"])))
+        [lineage] = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=ArtifactFilterKey(any_=["lineage"]))
+        )
     typed = _leaves(config)
     assert {key: _leaves(parameters).get(key) for key in typed} == typed
     [draft] = [row for row in json.loads(lineage.data) if row["kind"] == "draft"]

@@ -77,10 +77,15 @@ def test_promotion_k_of_a_vllm_evaluation_is_the_servers_not_one_of_evaluate_ks(
     assert config.promotion.k == 4
 
 
-@pytest.mark.parametrize("override, field", [
-    ("train.device=gpu", "train.device"), ("extract.device=cuda:1", "extract.device"),
-    ("evaluate.ks=[3, 0]", "evaluate.ks.1"), ("promotion.k=0", "promotion.k"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("train.device=gpu", "train.device"),
+        ("extract.device=cuda:1", "extract.device"),
+        ("evaluate.ks=[3, 0]", "evaluate.ks.1"),
+        ("promotion.k=0", "promotion.k"),
+    ],
+)
 def test_a_device_or_draft_length_no_step_can_use_fails_at_load_not_at_its_step(override, field):
     with pytest.raises(ConfigError, match=rf"overrides: {field}: "):
         load_config(None, [override])
@@ -97,10 +102,15 @@ def test_file_locations_are_not_keyed_the_files_content_is():
 def test_settings_only_the_other_backend_reads_are_not_keyed():
     served = EndpointConfig(model="verifier")
     local_eval = [output_affecting(EvalConfig(endpoint=EndpointConfig(model=m))) for m in (None, "verifier")]
-    vllm_eval = [output_affecting(EvalConfig(backend="vllm", endpoint=served, ks=ks, dtype=d)) for ks, d in (([3], "float32"), ([5], "bfloat16"))]
+    vllm_eval = [
+        output_affecting(EvalConfig(backend="vllm", endpoint=served, ks=ks, dtype=d)) for ks, d in (([3], "float32"), ([5], "bfloat16"))
+    ]
     local_regen = [output_affecting(RegenerateConfig(endpoint=EndpointConfig(model=m))) for m in (None, "verifier")]
     local_extract = [output_affecting(ExtractConfig(endpoint=EndpointConfig(model=m))) for m in (None, "verifier")]
-    vllm_extract = [output_affecting(ExtractConfig(backend="vllm", endpoint=served, device=d, prefill_batch_tokens=b)) for d, b in (("cpu", 64), ("cuda", 8192))]
+    vllm_extract = [
+        output_affecting(ExtractConfig(backend="vllm", endpoint=served, device=d, prefill_batch_tokens=b))
+        for d, b in (("cpu", 64), ("cuda", 8192))
+    ]
 
     assert local_eval[0] == local_eval[1] and "endpoint" not in local_eval[0]
     assert vllm_eval[0] == vllm_eval[1] and vllm_eval[0]["endpoint"] == {"model": "verifier"}

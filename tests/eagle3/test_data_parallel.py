@@ -49,8 +49,9 @@ def test_two_cpu_workers_extract_every_shard_with_the_digest_of_one_worker(prepa
     one = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "one"), Provenance())
     reports = ReportingThreads()
 
-    two = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "two"), Provenance(), on_progress=reports,
-                                claim=TWO_CPU_WORKERS)
+    two = extract_hidden_states(
+        cfg, dataset, verifier, ArtifactStore(tmp_path / "two"), Provenance(), on_progress=reports, claim=TWO_CPU_WORKERS
+    )
 
     assert two.digest == one.digest
     assert (two.extracted_shards, two.reused_shards) == (6, 0)
@@ -60,8 +61,9 @@ def test_two_cpu_workers_extract_every_shard_with_the_digest_of_one_worker(prepa
 def test_each_data_parallel_worker_backs_off_on_its_own_and_the_digest_holds(prepared, monkeypatch, tmp_path):
     verifier, dataset = prepared
     cfg = ExtractConfig(aux_layer_ids=AUX, records_per_shard=4, prefill_batch_tokens=1024)
-    direct = extract_hidden_states(cfg.model_copy(update={"prefill_batch_tokens": 512}), dataset, verifier, ArtifactStore(tmp_path / "a"),
-                                   Provenance())
+    direct = extract_hidden_states(
+        cfg.model_copy(update={"prefill_batch_tokens": 512}), dataset, verifier, ArtifactStore(tmp_path / "a"), Provenance()
+    )
     monkeypatch.setenv(FAULT_OOM_ENV, "600")  # the workers' processes inherit it
 
     manifest = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "b"), Provenance(), claim=TWO_CPU_WORKERS)

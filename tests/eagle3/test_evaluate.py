@@ -86,7 +86,7 @@ def test_speculative_output_equals_plain_greedy_for_every_proposer(exported, ver
     draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double())
     forward = DynamicForward(model, capture) if kind == "dynamic" else StaticForward(model, capture, len(PROMPT) + 40)
     reference = greedy_decode(forward, PROMPT, 40, set())
-    hf = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, eos_token_id=None)[0, len(PROMPT):]
+    hf = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, eos_token_id=None)[0, len(PROMPT) :]
 
     assert reference.tokens == hf.tolist()
     for proposer in (draft, NgramProposer()):
@@ -132,8 +132,13 @@ def test_every_drafted_token_matches_its_training_forward(exported, verifier_mod
     aux = capture.stacked()[0, :-1, :-1]  # states of sequence[:-1]: what the shifted batch pairs with sequence[1:]
     n = len(sequence) - 1
     with torch.no_grad():
-        draft(hidden_states=aux.reshape(1, n, -1), input_ids=torch.tensor([sequence[1:]]),
-              document_ids=torch.zeros(1, n, dtype=torch.long), position_ids=torch.arange(1, n + 1)[None], ttt_steps=k)
+        draft(
+            hidden_states=aux.reshape(1, n, -1),
+            input_ids=torch.tensor([sequence[1:]]),
+            document_ids=torch.zeros(1, n, dtype=torch.long),
+            position_ids=torch.arange(1, n + 1)[None],
+            ttt_steps=k,
+        )
     hook.remove()
     at_last_context_token = len(context) - 2
     trained = [step[at_last_context_token] for step in logits]
@@ -192,8 +197,13 @@ def test_teacher_forced_first_tokens_are_the_proposals_and_the_training_step_0(e
     hook = draft.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[0]))
     n = len(sequence) - 1
     with torch.no_grad():
-        draft(hidden_states=aux.reshape(1, n, -1), input_ids=torch.tensor([sequence[1:]]),
-              document_ids=torch.zeros(1, n, dtype=torch.long), position_ids=torch.arange(1, n + 1)[None], ttt_steps=1)
+        draft(
+            hidden_states=aux.reshape(1, n, -1),
+            input_ids=torch.tensor([sequence[1:]]),
+            document_ids=torch.zeros(1, n, dtype=torch.long),
+            position_ids=torch.arange(1, n + 1)[None],
+            ttt_steps=1,
+        )
     hook.remove()
     step0 = logits[0].argmax(-1)
     assert predicted == (step0 + draft.d2t[step0]).tolist()
@@ -246,8 +256,11 @@ def test_a_prompt_the_chat_template_refuses_names_file_and_record_before_a_gpu_i
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"question_id": 81, "turns": ["Hi"]}, {"prompt": "Bye"}])
     claims = []
 
-    with pytest.raises(ArtifactError, match=r"prompts\.jsonl: record id '81': the verifier's chat template refused its first "
-                                            r"user turn: a system message must come first"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"prompts\.jsonl: record id '81': the verifier's chat template refused its first "
+        r"user turn: a system message must come first",
+    ):
         measure_baselines(EvalConfig(num_prompts=2), verifier, prompts, store, Provenance(), claim=lambda: counted_claim(claims))
     assert claims == []
 
@@ -260,7 +273,9 @@ def test_baselines_hold_the_verifiers_plain_greedy_output_of_each_chat_templated
     eos = eos_token_ids(tokenizer, model)
 
     for text, reference in zip(["What is 2 + 3?", "Count to five."], baselines.reference(), strict=True):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         assert reference == greedy_decode(DynamicForward(model, None), list(prompt), cfg.max_new_tokens, eos).tokens
     assert baselines.num_tokens == sum(map(len, baselines.reference()))
     assert [(r["method"], r["k"]) for r in baselines.results] == [("ngram", 2), ("ngram", 4)]
@@ -308,8 +323,10 @@ def test_bumping_the_evaluation_version_reevaluates_drafts_and_keeps_the_baselin
 
     store, verifier, hidden, checkpoint = exported
     cfg, prompts, baselines = two_prompts
-    before = (baseline.baseline_provenance(store, cfg, verifier, prompts).key,
-              evaluation_provenance(store, cfg, checkpoint, hidden, verifier, prompts, baselines).key)
+    before = (
+        baseline.baseline_provenance(store, cfg, verifier, prompts).key,
+        evaluation_provenance(store, cfg, checkpoint, hidden, verifier, prompts, baselines).key,
+    )
     bumped = versions.StepCode(versions.STEPS["evaluation"].version + 1, versions.STEPS["evaluation"].libraries)
     monkeypatch.setitem(versions.STEPS, "evaluation", bumped)
 
@@ -327,8 +344,16 @@ def test_a_draft_output_that_differs_from_the_baselines_greedy_output_is_a_misma
     references[1][-1] = 1 if references[1][-1] != 1 else 2  # the second prompt's last greedy token
     (altered / "reference.json").write_text(json.dumps(references))
 
-    manifest = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "altered"}),
-                        baselines.model_copy(update={"path": altered}))
+    manifest = evaluate(
+        cfg,
+        checkpoint,
+        hidden,
+        verifier,
+        prompts,
+        store,
+        Provenance(config={"run": "altered"}),
+        baselines.model_copy(update={"path": altered}),
+    )
 
     assert manifest.mismatches == len(cfg.ks)  # that prompt's decode at each k
 
@@ -338,7 +363,9 @@ def test_baselines_of_other_prompts_are_refused_by_name(exported, two_prompts):
     cfg, prompts, baselines = two_prompts
 
     with pytest.raises(ArtifactError, match=rf"{baselines.path}: baselines of 2 prompts for an evaluation of 1"):
-        evaluate(cfg.model_copy(update={"num_prompts": 1}), checkpoint, hidden, verifier, prompts, store, Provenance(config={"n": 1}), baselines)
+        evaluate(
+            cfg.model_copy(update={"num_prompts": 1}), checkpoint, hidden, verifier, prompts, store, Provenance(config={"n": 1}), baselines
+        )
 
 
 def test_baselines_are_keyed_by_device_type_and_decoding_not_by_the_eval_backend_or_a_files_location(exported, two_prompts):
@@ -396,15 +423,17 @@ def test_a_killed_baselines_run_resumes_at_its_first_undecoded_prompt(exported, 
     store, verifier, _, _ = exported
     cfg, prompts, full = two_prompts
     provenance, claims = Provenance(config={"run": "killed after one prompt"}), []
-    plant_done_log(store, "baseline", provenance, [tagged(baseline_entries[0], "greedy", 1000.0)],
-                   torn=json.dumps(baseline_entries[1])[:40])
+    plant_done_log(
+        store, "baseline", provenance, [tagged(baseline_entries[0], "greedy", 1000.0)], torn=json.dumps(baseline_entries[1])[:40]
+    )
 
     resumed = measure_baselines(cfg, verifier, prompts, store, provenance, claim=lambda: counted_claim(claims))
 
     assert len(claims) == 1  # a prompt was left to decode
     assert resumed.reference() == full.reference() and resumed.mismatches == 0
-    assert [(r["k"], r["tau"], r["acceptance_by_position"]) for r in resumed.results] == \
-        [(r["k"], r["tau"], r["acceptance_by_position"]) for r in full.results]
+    assert [(r["k"], r["tau"], r["acceptance_by_position"]) for r in resumed.results] == [
+        (r["k"], r["tau"], r["acceptance_by_position"]) for r in full.results
+    ]
     assert resumed.greedy_tokens_per_s < resumed.num_tokens / 1000.0  # the first prompt's logged decode was kept
     assert sorted(p.name for p in resumed.path.iterdir()) == ["manifest.json", "per_prompt.json", "reference.json"]
     assert not (store.root / "work" / f"baseline-{provenance.key[:24]}").exists()  # the log went with the work dir
@@ -459,14 +488,29 @@ def test_a_killed_evaluation_resumes_at_its_first_undecoded_prompt(exported, two
 
     claims.clear()
     provenance = Provenance(config={"run": "evaluation killed before publishing"})
-    plant_done_log(store, "evaluation", provenance, [first, evaluate_module._decode_prompts(
-        cfg, "cpu", checkpoint, hidden, verifier, ids, references, {0: first}, tmp_path / "both.jsonl")[1]])
-    assert evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, baselines,
-                    claim=lambda: counted_claim(claims)).results[0]["tau"] == full.results[0]["tau"]
+    plant_done_log(
+        store,
+        "evaluation",
+        provenance,
+        [
+            first,
+            evaluate_module._decode_prompts(cfg, "cpu", checkpoint, hidden, verifier, ids, references, {0: first}, tmp_path / "both.jsonl")[
+                1
+            ],
+        ],
+    )
+    assert (
+        evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, baselines, claim=lambda: counted_claim(claims)).results[0][
+            "tau"
+        ]
+        == full.results[0]["tau"]
+    )
     assert claims == []
 
 
-def test_an_unfinished_evaluation_reports_the_evaluations_own_figures_over_the_prompts_it_finished(exported, two_prompts, tmp_path, monkeypatch):
+def test_an_unfinished_evaluation_reports_the_evaluations_own_figures_over_the_prompts_it_finished(
+    exported, two_prompts, tmp_path, monkeypatch
+):
     """`bench/unfinished_evaluation.py` reads an evaluation's done log as `evaluate` summarizes it,
     pairing n-gram's decodes of the same prompts from the baselines artifact."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
@@ -487,7 +531,9 @@ def test_an_unfinished_evaluation_reports_the_evaluations_own_figures_over_the_p
     rows = {(r["method"], r["k"]): r for r in full.results}
     for k, gain in ((g["k"], g) for g in full.gains_over_ngram):
         row = both["by_k"][str(k)]
-        assert (row["eagle3"], row["ngram"], row["gain"]) == tuple(round(x, 3) for x in (rows["eagle3", k]["tau"], rows["ngram", k]["tau"], gain["gain"]))
+        assert (row["eagle3"], row["ngram"], row["gain"]) == tuple(
+            round(x, 3) for x in (rows["eagle3", k]["tau"], rows["ngram", k]["tau"], gain["gain"])
+        )
         assert row["accepted_by_position"] == [round(a, 3) for a in rows["eagle3", k]["acceptance_by_position"]]
         assert row["tokens"] == baselines.num_tokens
         assert list(row["by_category"]) == ["math", "writing"]
@@ -515,7 +561,9 @@ def test_a_run_waiting_for_another_run_of_the_step_claims_its_gpu_only_once_it_h
 
     baselines = measure_baselines(cfg, verifier, prompts, store, provenance)
     run = run_while_another_run_holds_the_step(
-        store, EvalManifest, provenance,
+        store,
+        EvalManifest,
+        provenance,
         lambda claim: evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, baselines, claim=claim),
     )
 
@@ -533,11 +581,14 @@ def test_prompt_file_without_a_prompt_field_names_the_record(tmp_path):
 
 
 def test_prompts_are_read_as_regeneration_reads_them(tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", [
-        {"question": "What is 2 + 2?"},
-        {"messages": [{"role": "System", "content": "Be brief."}, {"role": "User", "content": "Hi"}]},
-        {"turns": ["First?", "Second?"]},
-    ])
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"question": "What is 2 + 2?"},
+            {"messages": [{"role": "System", "content": "Be brief."}, {"role": "User", "content": "Hi"}]},
+            {"turns": ["First?", "Second?"]},
+        ],
+    )
 
     assert read_prompts(path, 5) == ["What is 2 + 2?", "Hi", "First?"]
 
@@ -550,7 +601,9 @@ def test_served_counters_give_the_acceptance_our_own_decoding_measures(served, r
     # Prompts the draft was trained on (with the verifier's answers to them): it accepts some tokens.
     prompts = write_jsonl(store.root / "served-prompts.jsonl", [json.loads(line) for line in SAMPLE.read_text().splitlines()[:4]])
     own_cfg = EvalConfig(num_prompts=4, max_new_tokens=48, ks=[3], device="cpu")
-    served_cfg = own_cfg.model_copy(update={"backend": "vllm", "endpoint": EndpointConfig(base_url=served_draft.base_url, model=served_draft.model)})
+    served_cfg = own_cfg.model_copy(
+        update={"backend": "vllm", "endpoint": EndpointConfig(base_url=served_draft.base_url, model=served_draft.model)}
+    )
 
     served = evaluate(served_cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "served"}))
     baselines = measure_baselines(own_cfg, verifier, prompts, store, Provenance(config={"run": "own"}))

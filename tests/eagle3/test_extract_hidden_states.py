@@ -32,9 +32,7 @@ def prepared(tiny_verifier, tmp_path_factory):
 
     store = ArtifactStore(tmp_path_factory.mktemp("store"))
     verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)
-    dataset = prepare_dataset(
-        DatasetConfig(max_seq_len=256, max_records=24), SAMPLE, load_tokenizer(verifier.path), store, Provenance()
-    )
+    dataset = prepare_dataset(DatasetConfig(max_seq_len=256, max_records=24), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
     return store, verifier, dataset
 
 
@@ -45,8 +43,12 @@ def _all_states(manifest) -> dict[int, torch.Tensor]:
 def test_packed_batches_match_batch_size_one(prepared, tmp_path):
     _, verifier, dataset = prepared
 
-    one = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=1), dataset, verifier, ArtifactStore(tmp_path / "a"), Provenance())
-    packed = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=4096), dataset, verifier, ArtifactStore(tmp_path / "b"), Provenance())
+    one = extract_hidden_states(
+        ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=1), dataset, verifier, ArtifactStore(tmp_path / "a"), Provenance()
+    )
+    packed = extract_hidden_states(
+        ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=4096), dataset, verifier, ArtifactStore(tmp_path / "b"), Provenance()
+    )
 
     a, b = _all_states(one), _all_states(packed)
     assert sorted(a) == list(range(dataset.num_records))
@@ -79,7 +81,9 @@ def test_aux_layer_ids_out_of_range_name_the_verifier_and_layers(prepared):
 def test_default_aux_ids_need_enough_layers(prepared):
     store, verifier, dataset = prepared
 
-    with pytest.raises(ConfigError, match=r"the default extract\.aux_layer_ids \[2, n//2, n-3\] = .* Set extract\.aux_layer_ids to 3 distinct"):
+    with pytest.raises(
+        ConfigError, match=r"the default extract\.aux_layer_ids \[2, n//2, n-3\] = .* Set extract\.aux_layer_ids to 3 distinct"
+    ):
         extract_hidden_states(ExtractConfig(), dataset, verifier, store, Provenance())
 
 
@@ -157,6 +161,7 @@ def _finish(tmp_path):
     def copy_from_reference(store, keys):
         for key in keys:
             shutil.copytree(tmp_path / "reference" / "shards" / key, store.root / "shards" / key)
+
     return copy_from_reference
 
 
@@ -255,10 +260,14 @@ def test_nested_verifier_loads_its_text_decoder(tiny_nested_verifier, tmp_path):
 def test_out_of_memory_halves_the_prefill_batch_and_retries_the_shard(prepared, monkeypatch, tmp_path):
     _, verifier, dataset = prepared
     longest = max(load_dataset_table(dataset).column("seq_len").to_pylist())
-    direct = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=512), dataset, verifier, ArtifactStore(tmp_path / "a"), Provenance())
+    direct = extract_hidden_states(
+        ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=512), dataset, verifier, ArtifactStore(tmp_path / "a"), Provenance()
+    )
     monkeypatch.setenv(FAULT_OOM_ENV, "600")
 
-    manifest = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=4096), dataset, verifier, ArtifactStore(tmp_path / "b"), Provenance())
+    manifest = extract_hidden_states(
+        ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=4096), dataset, verifier, ArtifactStore(tmp_path / "b"), Provenance()
+    )
 
     assert [(b.value, b.retry_with) for b in manifest.backoffs] == [(4096, 2048), (2048, 1024), (1024, 512)]
     assert manifest.backoffs[0].setting == "extract.prefill_batch_tokens" and manifest.backoffs[0].at == {"shard": 0}
@@ -273,7 +282,9 @@ def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried(prepared, monk
     monkeypatch.setenv(FAULT_OOM_ENV, "8")
     cfg = ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=2048, min_prefill_batch_tokens=512)
 
-    with pytest.raises(RuntimeError, match=r"shard 0 .*prefill_batch_tokens = \[2048, 1024, 512\]\) down to extract.min_prefill_batch_tokens = 512"):
+    with pytest.raises(
+        RuntimeError, match=r"shard 0 .*prefill_batch_tokens = \[2048, 1024, 512\]\) down to extract.min_prefill_batch_tokens = 512"
+    ):
         extract_hidden_states(cfg, dataset, verifier, store, Provenance(config={"oom": 2}))
 
 
@@ -301,10 +312,22 @@ def test_appending_records_extracts_only_the_new_shards(tiny_verifier, tmp_path)
     data = tmp_path / "growing.jsonl"
     cfg = ExtractConfig(aux_layer_ids=AUX, records_per_shard=8)
     data.write_text("".join(lines[:20]))
-    first = extract_hidden_states(cfg, prepare_dataset(DatasetConfig(), data, tokenizer, store, Provenance(config={"v": 1})), verifier, store, Provenance(config={"v": 1}))
+    first = extract_hidden_states(
+        cfg,
+        prepare_dataset(DatasetConfig(), data, tokenizer, store, Provenance(config={"v": 1})),
+        verifier,
+        store,
+        Provenance(config={"v": 1}),
+    )
     data.write_text("".join(lines[:36]))
 
-    grown = extract_hidden_states(cfg, prepare_dataset(DatasetConfig(), data, tokenizer, store, Provenance(config={"v": 2})), verifier, store, Provenance(config={"v": 2}))
+    grown = extract_hidden_states(
+        cfg,
+        prepare_dataset(DatasetConfig(), data, tokenizer, store, Provenance(config={"v": 2})),
+        verifier,
+        store,
+        Provenance(config={"v": 2}),
+    )
 
     assert (first.extracted_shards, first.reused_shards) == (3, 0)
     # records 0-15 fill shards 0-1 unchanged; shard 2 grew from 4 to 8 records; shards 3-4 are new

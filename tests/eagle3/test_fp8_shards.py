@@ -40,9 +40,16 @@ def extracted(tiny_verifier, tmp_path_factory):
     store = ArtifactStore(tmp_path_factory.mktemp("fp8") / "store")
     verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)
     dataset = prepare_dataset(DatasetConfig(max_seq_len=256, max_records=24), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
-    states = {storage: extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, records_per_shard=12, storage=storage), dataset, verifier,
-                                             store, Provenance(config={"storage": storage}))
-              for storage in ("bf16", "fp8")}
+    states = {
+        storage: extract_hidden_states(
+            ExtractConfig(aux_layer_ids=AUX, records_per_shard=12, storage=storage),
+            dataset,
+            verifier,
+            store,
+            Provenance(config={"storage": storage}),
+        )
+        for storage in ("bf16", "fp8")
+    }
     return store, verifier, dataset, states
 
 
@@ -102,7 +109,9 @@ def test_verify_shard_names_the_field_a_bf16_file_lacks_in_an_fp8_shard(extracte
     data = load_file(hidden_state_files(states["bf16"])[0])
     save_file(data, tmp_path / "hs_0.safetensors")
 
-    with pytest.raises(ArtifactError, match=r"hs_0\.safetensors: fields \['hidden_states', 'hidden_states_scales', 'token_ids'\] expected \(fp8"):
+    with pytest.raises(
+        ArtifactError, match=r"hs_0\.safetensors: fields \['hidden_states', 'hidden_states_scales', 'token_ids'\] expected \(fp8"
+    ):
         verify_shard(tmp_path, [data["token_ids"].tolist()], 4, verifier.hidden_size, "fp8")
 
 
@@ -141,8 +150,10 @@ def test_fp8_shards_train_to_the_validation_figures_of_bf16(extracted, monkeypat
 
     monkeypatch.setattr(dataloader, "create_train_val_loaders", loaders_recording_the_first_sample)
 
-    drafts = {storage: train_draft(cfg, dataset, hidden, vocab, verifier, store, Provenance(config={"storage": storage}))
-              for storage, hidden in states.items()}
+    drafts = {
+        storage: train_draft(cfg, dataset, hidden, vocab, verifier, store, Provenance(config={"storage": storage}))
+        for storage, hidden in states.items()
+    }
 
     bf16, fp8 = drafts["bf16"].epochs[-1], drafts["fp8"].epochs[-1]
     assert drafts["fp8"].digest != drafts["bf16"].digest  # the states differ: so do the weights

@@ -50,8 +50,17 @@ def test_gpu_extraction_in_a_child_process_matches_cpu(steps, tmp_path):
     _, verifier, dataset = steps
 
     # Separate stores: the device is not part of a shard's key, so one store would reuse the shards.
-    gpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, ArtifactStore(tmp_path / "gpu"), Provenance(), claim=fixed_devices(["0"]))
-    cpu = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cpu"), dataset, verifier, ArtifactStore(tmp_path / "cpu"), Provenance())
+    gpu = extract_hidden_states(
+        ExtractConfig(aux_layer_ids=AUX, device="cuda"),
+        dataset,
+        verifier,
+        ArtifactStore(tmp_path / "gpu"),
+        Provenance(),
+        claim=fixed_devices(["0"]),
+    )
+    cpu = extract_hidden_states(
+        ExtractConfig(aux_layer_ids=AUX, device="cpu"), dataset, verifier, ArtifactStore(tmp_path / "cpu"), Provenance()
+    )
 
     a, b = hidden_state_files(gpu), hidden_state_files(cpu)
     for i in a:
@@ -62,8 +71,14 @@ def test_gpu_regeneration_runs_in_a_child_process_and_reports_memory(steps, tmp_
     store, verifier, _ = steps
     source = write_jsonl(tmp_path / "prompts.jsonl", [{"id": str(i), "prompt": f"Count to {i}."} for i in range(6)])
 
-    manifest = regenerate(RegenerateConfig(enabled=True, max_new_tokens=16, batch_size=4, device="cuda"), source, verifier,
-                          store, Provenance(config={"r": "gpu"}), claim=fixed_devices(["0"]))
+    manifest = regenerate(
+        RegenerateConfig(enabled=True, max_new_tokens=16, batch_size=4, device="cuda"),
+        source,
+        verifier,
+        store,
+        Provenance(config={"r": "gpu"}),
+        claim=fixed_devices(["0"]),
+    )
 
     assert manifest.num_records + len(manifest.failed) == 6 and manifest.backoffs == []
     assert set(manifest.gpu_memory_after_mib) == {"0"}
@@ -71,7 +86,14 @@ def test_gpu_regeneration_runs_in_a_child_process_and_reports_memory(steps, tmp_
 
 def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_and_decodes(steps):
     store, verifier, dataset = steps
-    hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, device="cuda"), dataset, verifier, store, Provenance(config={"d": "cuda"}), claim=fixed_devices(["0"]))
+    hidden = extract_hidden_states(
+        ExtractConfig(aux_layer_ids=AUX, device="cuda"),
+        dataset,
+        verifier,
+        store,
+        Provenance(config={"d": "cuda"}),
+        claim=fixed_devices(["0"]),
+    )
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=512), dataset, verifier.vocab_size, store, Provenance())
     gpus = [str(i) for i in range(torch.cuda.device_count())]
 
@@ -115,7 +137,9 @@ def test_cuda_graph_replays_compute_what_eager_passes_compute(tiny_verifier):
         assert argmax == expected_argmax
         assert torch.equal(aux, expected_aux)
     assert sorted(graphed._graphs) == [1, 4]
-    expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False, eos_token_id=None)[0, len(prompt):]
+    expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False, eos_token_id=None)[
+        0, len(prompt) :
+    ]
     assert greedy_decode(graphed, prompt, 40, set()).tokens == expected.tolist()
     for k in (1, 3, 5):
         assert speculative_decode(graphed, NgramProposer(), prompt, 40, k, set()).tokens == expected.tolist()
@@ -129,7 +153,9 @@ def test_a_nested_moe_verifier_decodes_on_the_gpu_what_transformers_cache_decode
     cannot be captured), greedy and drafted decodes are the verifier's plain greedy output."""
     model = load_text_model(request.getfixturevalue(nested), torch.float32, "cuda")
     prompt = [1, 200, 300, 400, 500, 600, 700, 200, 300]
-    expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False, eos_token_id=None)[0, len(prompt):]
+    expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False, eos_token_id=None)[
+        0, len(prompt) :
+    ]
 
     with torch.inference_mode():
         forward = forward_for(model, None, len(prompt) + 48, prompt)
@@ -180,7 +206,9 @@ def test_real_cuda_out_of_memory_backs_off_to_a_batch_that_fits(tmp_path):
 def eight_layers(tmp_path_factory):
     """A random Llama of 8 layers (hidden 256) and a prepared dataset: small, yet with layers to spread."""
     store = ArtifactStore(tmp_path_factory.mktemp("split-store"))
-    verifier = resolve_verifier(VerifierConfig(path=str(tiny_llama(tmp_path_factory.mktemp("split") / "v", num_layers=8, hidden=256))), store)
+    verifier = resolve_verifier(
+        VerifierConfig(path=str(tiny_llama(tmp_path_factory.mktemp("split") / "v", num_layers=8, hidden=256))), store
+    )
     dataset = prepare_dataset(DatasetConfig(max_seq_len=256, max_records=16), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
     return verifier, dataset
 
@@ -196,8 +224,9 @@ def _attempt_states(verifier, dataset, root, max_memory) -> dict[str, torch.Tens
     """The shard files one extraction attempt writes in this process, on the GPU."""
     root.mkdir()
     shard = ShardWork(index=0, key="shard", records=list(range(dataset.num_records)))
-    spec = ExtractAttempt(dataset=dataset, verifier=verifier, aux=AUX, device="cuda", shard_root=root, todo=[shard], budget=2048,
-                          max_memory=max_memory)
+    spec = ExtractAttempt(
+        dataset=dataset, verifier=verifier, aux=AUX, device="cuda", shard_root=root, todo=[shard], budget=2048, max_memory=max_memory
+    )
     assert _extract_attempt(spec, lambda *_: None).oom is None
     return {p.name: load_file(p)["hidden_states"] for p in sorted((root / "shard").glob("hs_*.safetensors"))}
 
@@ -223,8 +252,15 @@ def test_a_verifier_split_between_the_gpu_and_the_cpu_generates_what_a_one_gpu_l
     cfg = RegenerateConfig(enabled=True, max_new_tokens=16, batch_size=2)
 
     def answers(max_memory, log):
-        spec = RegenerateAttempt(todo=read_user_turns(source, None), cfg=cfg, verifier=verifier, device="cuda", batch_size=2,
-                                 done_log=tmp_path / log, max_memory=max_memory)
+        spec = RegenerateAttempt(
+            todo=read_user_turns(source, None),
+            cfg=cfg,
+            verifier=verifier,
+            device="cuda",
+            batch_size=2,
+            done_log=tmp_path / log,
+            max_memory=max_memory,
+        )
         assert _transformers_attempt(spec, lambda *_: None) is None
         return read_done(tmp_path / log, "record")
 

@@ -62,7 +62,8 @@ def test_a_child_s_library_log_records_are_logged_in_this_process(caplog):
         run_attempt(log_in_child, Steps(), ["0"])
 
     assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
-        ("eagle3.extraction.extract_hidden_states", logging.WARNING, "waiting for shard 3")]
+        ("eagle3.extraction.extract_hidden_states", logging.WARNING, "waiting for shard 3")
+    ]
 
 
 def test_without_devices_the_attempt_runs_in_this_process():
@@ -85,7 +86,10 @@ def test_a_killed_child_is_an_error_with_its_exit_code():
 def test_device_locks_hand_out_distinct_devices_and_wait_when_all_are_taken(tmp_path):
     with lock_free_gpus(["0", "1"], 1, tmp_path) as first, lock_free_gpus(["0", "1"], 1, tmp_path) as second:
         assert sorted(first + second) == ["0", "1"]
-        with pytest.raises(RuntimeError, match=r"no 1 free GPU\(s\) among \['0', '1'\]"), lock_free_gpus(["0", "1"], 1, tmp_path, timeout_s=0.5):
+        with (
+            pytest.raises(RuntimeError, match=r"no 1 free GPU\(s\) among \['0', '1'\]"),
+            lock_free_gpus(["0", "1"], 1, tmp_path, timeout_s=0.5),
+        ):
             pass
     with lock_free_gpus(["0", "1"], 2, tmp_path) as both:
         assert both == ["0", "1"]

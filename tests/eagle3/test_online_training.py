@@ -84,7 +84,8 @@ def test_online_training_matches_offline_validation_metrics(online_draft, tiny_v
     for on, off in zip(online_draft.epochs, offline.epochs, strict=True):
         assert on["val_loss"] == pytest.approx(off["val_loss"], rel=1e-4)
         assert {k: v for k, v in on.items() if "acc" in k or k == "tau_sim"} == pytest.approx(
-            {k: v for k, v in off.items() if "acc" in k or k == "tau_sim"}, abs=1e-3)
+            {k: v for k, v in off.items() if "acc" in k or k == "tau_sim"}, abs=1e-3
+        )
 
 
 def test_online_training_leaves_no_hidden_state_bytes_on_disk(online_store, online_draft):
@@ -105,7 +106,13 @@ def test_the_online_draft_is_keyed_and_traced_to_the_online_states(online_store,
     assert provenance.code_version.startswith("draft/online v1 (torch ")
     assert provenance.parents["hidden_states"] == states.digest
     recipe = json.loads((states.path / "online.json").read_text())
-    assert recipe == {"verifier": verifier.digest, "dataset": dataset.digest, "aux_layer_ids": [1, 2, 3], "hidden_size": 64, "storage": "bf16"}
+    assert recipe == {
+        "verifier": verifier.digest,
+        "dataset": dataset.digest,
+        "aux_layer_ids": [1, 2, 3],
+        "hidden_size": 64,
+        "storage": "bf16",
+    }
     [online_node] = [n for n in nodes.values() if n["kind"] == "online_states"]
     assert online_node["parents"] == {"dataset": dataset.digest, "verifier": verifier.digest}
     assert nodes[online_draft.digest]["parents"]["hidden_states"] == states.digest
@@ -123,8 +130,9 @@ def test_a_killed_online_training_resumes_to_the_uninterrupted_draft(online_stor
         train_draft(TRAIN, dataset, states, vocab, verifier, store, Provenance(config={"run": "killed"}), on_step=kill_in_second_epoch)
     resumed = []
 
-    draft = train_draft(TRAIN, dataset, states, vocab, verifier, store, Provenance(config={"run": "killed"}),
-                        on_step=lambda s, t, m: resumed.append(s))
+    draft = train_draft(
+        TRAIN, dataset, states, vocab, verifier, store, Provenance(config={"run": "killed"}), on_step=lambda s, t, m: resumed.append(s)
+    )
 
     assert resumed[0] > 1  # the first epoch was not trained again
     assert draft.digest == online_draft.digest  # weights, metrics and curves, byte for byte
@@ -155,5 +163,7 @@ def test_kept_states_are_computed_once_across_epochs(online_store, keep_bytes, p
 
 
 def test_online_training_refuses_a_server_extraction_backend():
-    with pytest.raises(ConfigError, match=r"train\.hidden_states=online computes states in the training process: it needs extract\.backend"):
+    with pytest.raises(
+        ConfigError, match=r"train\.hidden_states=online computes states in the training process: it needs extract\.backend"
+    ):
         load_config(overrides=["train.hidden_states=online", "extract.backend=vllm", "extract.endpoint.model=served"])

@@ -91,8 +91,13 @@ def test_the_dataset_s_hidden_states_are_sized_against_the_store_s_free_disk(tmp
 def test_a_measured_extraction_in_the_store_gives_the_extraction_time(tiny_verifier, tmp_path):
     store = ArtifactStore(tmp_path / "store")
     verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)  # memoises the verifier's digest
-    dataset = prepare_dataset(DatasetConfig(max_seq_len=128, max_records=8), Path(__file__).parents[2] / "eagle3/data/sample_conversations.jsonl",
-                              load_tokenizer(verifier.path), store, Provenance())
+    dataset = prepare_dataset(
+        DatasetConfig(max_seq_len=128, max_records=8),
+        Path(__file__).parents[2] / "eagle3/data/sample_conversations.jsonl",
+        load_tokenizer(verifier.path),
+        store,
+        Provenance(),
+    )
     cfg = ExtractConfig(aux_layer_ids=[1, 2, 3])
     hidden = extract_hidden_states(cfg, dataset, verifier, store, extraction_provenance(store, cfg, dataset, verifier))
 
@@ -100,14 +105,27 @@ def test_a_measured_extraction_in_the_store_gives_the_extraction_time(tiny_verif
 
     rate = hidden.num_tokens / hidden.seconds
     assert plan.tokens_from == "tokenized"
-    assert plan.estimates == [f"extract     {plan.dataset_tokens / rate / 3600:,.1f} h at {rate:,.0f} tok/s (artifact {hidden.digest[:12]})"]
+    assert plan.estimates == [
+        f"extract     {plan.dataset_tokens / rate / 3600:,.1f} h at {rate:,.0f} tok/s (artifact {hidden.digest[:12]})"
+    ]
 
 
 def test_a_run_whose_verifier_cannot_fit_its_gpus_fails_before_loading_with_the_plan(tmp_path, needs_kimi):
-    config = load_config(None, [f"verifier.path={KIMI}", f"store_dir={tmp_path / 'store'}", *ON_8_H200, "extract.device=cuda",
-                                "evaluate.backend=vllm", "evaluate.endpoint.model=kimi"])
+    config = load_config(
+        None,
+        [
+            f"verifier.path={KIMI}",
+            f"store_dir={tmp_path / 'store'}",
+            *ON_8_H200,
+            "extract.device=cuda",
+            "evaluate.backend=vllm",
+            "evaluate.endpoint.model=kimi",
+        ],
+    )
 
-    with pytest.raises(ConfigError, match=r"(?s)does not fit the GPUs its steps claim: extract \(needs 21 GPU\(s\), 8 claimed.*hidden states"):
+    with pytest.raises(
+        ConfigError, match=r"(?s)does not fit the GPUs its steps claim: extract \(needs 21 GPU\(s\), 8 claimed.*hidden states"
+    ):
         check_verifier_fits(config)
 
 

@@ -28,11 +28,15 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module", params=[
-    (CHATML, "Hello there<|im_end|>Sure<|im_end|>"),
-    (LLAMA3, "Hello there<|eot_id|>Sure<|eot_id|>"),
-    (GENERATION, "Hello there<|im_end|>Sure<|im_end|>"),
-], ids=["chatml", "llama3", "generation-markers"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        (CHATML, "Hello there<|im_end|>Sure<|im_end|>"),
+        (LLAMA3, "Hello there<|eot_id|>Sure<|eot_id|>"),
+        (GENERATION, "Hello there<|im_end|>Sure<|im_end|>"),
+    ],
+    ids=["chatml", "llama3", "generation-markers"],
+)
 def template_case(request):
     template, supervised = request.param
     return tiny_tokenizer(template), supervised
@@ -61,8 +65,9 @@ def chatml():
 
 
 def test_sharegpt_records_read_like_messages(tmp_path):
-    path = write_jsonl(tmp_path / "sg.jsonl", [{"id": "a", "conversations": [
-        {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}])
+    path = write_jsonl(
+        tmp_path / "sg.jsonl", [{"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}]
+    )
 
     [(record_id, messages)] = list(read_conversations(path))
 
@@ -71,10 +76,13 @@ def test_sharegpt_records_read_like_messages(tmp_path):
 
 
 def test_unknown_role_names_file_record_and_field(tmp_path):
-    path = write_jsonl(tmp_path / "bad.jsonl", [
-        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
-        {"id": "r7", "messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]},
-    ])
+    path = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+            {"id": "r7", "messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]},
+        ],
+    )
 
     with pytest.raises(ArtifactError, match=r"bad\.jsonl: record 1 \(id 'r7'\): field 'messages\[1\]\.role': unknown role 'robot'"):
         list(read_conversations(path))
@@ -103,8 +111,15 @@ def test_a_conversation_the_chat_template_refuses_names_file_and_record(tmp_path
         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
         "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
     )
-    path = write_jsonl(tmp_path / "c.jsonl", [{"id": "twice", "messages": [
-        {"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]}])
+    path = write_jsonl(
+        tmp_path / "c.jsonl",
+        [
+            {
+                "id": "twice",
+                "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}],
+            }
+        ],
+    )
 
     with pytest.raises(ArtifactError, match=r"c\.jsonl: record id 'twice': field 'messages': Conversation roles must alternate"):
         prepare_dataset(DatasetConfig(), path, strict, ArtifactStore(tmp_path / "store"), Provenance())
@@ -118,12 +133,15 @@ def test_missing_turns_field_names_it(tmp_path):
 
 
 def test_prepare_drops_and_counts_unsupervised_records_and_truncates(tmp_path, chatml, caplog):
-    path = write_jsonl(tmp_path / "c.jsonl", [
-        {"messages": [{"role": "user", "content": "only a question"}]},
-        {"messages": [{"role": "user", "content": "q " * 300}, {"role": "assistant", "content": "late answer"}]},
-        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "answer " * 100}]},
-        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "short"}]},
-    ])
+    path = write_jsonl(
+        tmp_path / "c.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "only a question"}]},
+            {"messages": [{"role": "user", "content": "q " * 300}, {"role": "assistant", "content": "late answer"}]},
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "answer " * 100}]},
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "short"}]},
+        ],
+    )
     store = ArtifactStore(tmp_path / "store")
 
     manifest = prepare_dataset(DatasetConfig(max_seq_len=64), path, chatml, store, Provenance())
@@ -197,8 +215,9 @@ def test_a_run_that_waited_for_the_same_step_returns_what_the_other_run_publishe
     store, provenance = ArtifactStore(tmp_path / "store"), Provenance(config={"run": "same"})
     source = tmp_path / "conversations.fifo"
     os.mkfifo(source)
-    first = subprocess.Popen([sys.executable, "-c", FIRST_RUN, str(store.root), str(source), str(Path(__file__).parents[1])],
-                             stdout=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-c", FIRST_RUN, str(store.root), str(source), str(Path(__file__).parents[1])], stdout=subprocess.PIPE, text=True
+    )
     lock = store.root / "locks" / f"dataset-{provenance.key[:24]}.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + 60

@@ -108,8 +108,12 @@ def test_a_gain_within_the_required_standard_errors_is_not_promoted(tmp_path):
 def test_the_standard_errors_are_those_of_the_deciding_k(tmp_path):
     store = ArtifactStore(tmp_path)
     at_5 = PromotionConfig(k=5, min_standard_errors=2)
-    promote(at_5, publish_evaluation(store, "first", {3: 2.0, 5: 2.0}, counts={3: SAME_ON_EVERY_PROMPT, 5: SAME_ON_EVERY_PROMPT}),
-            store, "run-1")
+    promote(
+        at_5,
+        publish_evaluation(store, "first", {3: 2.0, 5: 2.0}, counts={3: SAME_ON_EVERY_PROMPT, 5: SAME_ON_EVERY_PROMPT}),
+        store,
+        "run-1",
+    )
 
     steady_at_5 = {3: LUCKY_ON_ONE_PROMPT, 5: [(9, 4)] * 4}
     record = promote(at_5, publish_evaluation(store, "second", {3: 2.125, 5: 2.25}, counts=steady_at_5), store, "run-2")
@@ -137,25 +141,37 @@ def test_records_written_before_the_standard_error_was_kept_still_read(tmp_path)
     store = ArtifactStore(tmp_path)
     record = promote(DEFAULT, publish_evaluation(store, "x", {3: 2.0}), store, "run-1")
     [path] = (store.root / "promotions").glob("*.json")
-    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k not in ("min_standard_errors", "gain_standard_error")}))
+    path.write_text(
+        json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k not in ("min_standard_errors", "gain_standard_error")})
+    )
 
     assert read_promotions(store) == [record]
 
 
 def test_eagle3_promoted_loads_neither_torch_nor_prefect(tmp_path):
     ArtifactStore(tmp_path)
-    check = (f"import sys; from eagle3.cli import main; assert main(['promoted', '--store', {str(tmp_path)!r}]) == 0; "
-             "assert not {'torch', 'prefect'} & set(sys.modules), 'loaded'")
+    check = (
+        f"import sys; from eagle3.cli import main; assert main(['promoted', '--store', {str(tmp_path)!r}]) == 0; "
+        "assert not {'torch', 'prefect'} & set(sys.modules), 'loaded'"
+    )
 
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
 
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("change", [
-    {"verifier": "f" * 64}, {"prompts": "f" * 64}, {"max_new_tokens": 32}, {"num_prompts": 8},
-    {"dtype": "bfloat16"}, {"backend": "vllm"},
-], ids=["verifier", "prompts", "max_new_tokens", "num_prompts", "dtype", "backend"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"verifier": "f" * 64},
+        {"prompts": "f" * 64},
+        {"max_new_tokens": 32},
+        {"num_prompts": 8},
+        {"dtype": "bfloat16"},
+        {"backend": "vllm"},
+    ],
+    ids=["verifier", "prompts", "max_new_tokens", "num_prompts", "dtype", "backend"],
+)
 def test_evaluations_on_another_verifier_or_eval_set_are_not_compared(tmp_path, change):
     store = ArtifactStore(tmp_path)
     promote(DEFAULT, publish_evaluation(store, "strong", {3: 3.0}), store, "run-1")

@@ -25,8 +25,10 @@ from eagle3.verifier.loading import load_text_model, load_tokenizer
 from eagle3.verifier.resolve_verifier import resolve_verifier
 
 CFG = RegenerateConfig(enabled=True, max_new_tokens=12, batch_size=2)
-NO_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-             "{% endif %}{% endfor %}" + CHATML)
+NO_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% endfor %}" + CHATML
+)
 
 
 @pytest.fixture
@@ -37,12 +39,21 @@ def verifier(tiny_verifier, tmp_path):
 
 @pytest.fixture
 def prompts(tmp_path):
-    return write_jsonl(tmp_path / "prompts.jsonl", [
-        {"id": "a", "prompt": "What is two plus two?"},
-        {"question_id": 81, "turns": ["Name a colour.", "Now another one."]},
-        {"id": "c", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                                 {"role": "assistant", "content": "old answer"}]},
-    ])
+    return write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [
+            {"id": "a", "prompt": "What is two plus two?"},
+            {"question_id": 81, "turns": ["Name a colour.", "Now another one."]},
+            {
+                "id": "c",
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "old answer"},
+                ],
+            },
+        ],
+    )
 
 
 def test_user_turns_are_read_from_every_prompt_shape(prompts):
@@ -60,11 +71,14 @@ def test_record_without_prompt_names_file_and_record(tmp_path):
         read_user_turns(path, None)
 
 
-@pytest.mark.parametrize("turn, field", [
-    ("hello", r"field 'messages\[0\]' must be an object with 'role' and 'content'"),
-    ({"role": "user"}, r"field 'messages\[0\]' must be an object with 'role' and 'content'"),
-    ({"role": "user", "content": 5}, r"field 'messages\[0\]\.content' must be a string"),
-])
+@pytest.mark.parametrize(
+    "turn, field",
+    [
+        ("hello", r"field 'messages\[0\]' must be an object with 'role' and 'content'"),
+        ({"role": "user"}, r"field 'messages\[0\]' must be an object with 'role' and 'content'"),
+        ({"role": "user", "content": 5}, r"field 'messages\[0\]\.content' must be a string"),
+    ],
+)
 def test_a_malformed_turn_in_a_prompt_file_names_file_record_and_field(tmp_path, turn, field):
     path = write_jsonl(tmp_path / "p.jsonl", [{"id": "q1", "messages": [turn]}])
 
@@ -93,8 +107,9 @@ def test_regenerated_turns_are_the_verifiers_greedy_answers_in_order(verifier, p
     assert "old answer" not in json.dumps(rows["c"]["messages"])
     tokenizer = load_tokenizer(manifest.path)
     model = load_text_model(manifest.path, torch.float32, "cpu")
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is two plus two?"}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=True)["input_ids"]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is two plus two?"}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     expected = greedy_decode(DynamicForward(model, None), prompt, CFG.max_new_tokens, {tokenizer.eos_token_id}).tokens
     expected = [t for t in expected if t != tokenizer.eos_token_id]
     assert rows["a"]["messages"][1]["content"] == tokenizer.decode(expected, skip_special_tokens=True).strip()
@@ -105,9 +120,12 @@ def test_a_record_whose_first_answer_is_empty_fails_alone_and_its_later_turns_ar
     tokenizer = load_tokenizer(manifest.path)
     model = load_text_model(manifest.path, torch.float32, "cpu")
     turns = ["Name a colour.", "Now another one."]
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": turns[0]}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=True)["input_ids"]
-    model.generation_config.eos_token_id = greedy_decode(DynamicForward(model, None), list(prompt), 1, set()).tokens[0]  # ends the answer at once
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": turns[0]}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    model.generation_config.eos_token_id = greedy_decode(DynamicForward(model, None), list(prompt), 1, set()).tokens[
+        0
+    ]  # ends the answer at once
 
     entries = _answer_batch(model, tokenizer, [("81", [], turns), ("b", [], ["Name a colour."])], CFG, "cpu")
 
@@ -129,11 +147,15 @@ def test_a_record_the_chat_template_refuses_fails_alone_with_the_reason(tmp_path
 def test_a_run_in_which_every_record_fails_publishes_nothing_and_says_why(tmp_path):
     store = ArtifactStore(tmp_path / "store")
     verifier = resolve_verifier(VerifierConfig(path=str(tiny_llama(tmp_path / "no-system", template=NO_SYSTEM))), store)
-    source = write_jsonl(tmp_path / "p.jsonl", [{"id": "s", "messages": [{"role": "system", "content": "Be brief."},
-                                                                        {"role": "user", "content": "Hi"}]}])
+    source = write_jsonl(
+        tmp_path / "p.jsonl", [{"id": "s", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}]
+    )
 
-    with pytest.raises(ArtifactError, match=r"p\.jsonl: every record failed, record id 's' with: chat template refused turn 0: "
-                                            r"System role not supported\. Nothing is published"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"p\.jsonl: every record failed, record id 's' with: chat template refused turn 0: "
+        r"System role not supported\. Nothing is published",
+    ):
         regenerate(CFG, source, verifier, store, Provenance())
     assert not list((store.root / "published").glob("regenerated-*"))
 
@@ -142,8 +164,12 @@ def test_a_rerun_after_a_crash_regenerates_only_what_is_missing(verifier, prompt
     store, manifest = verifier
     provenance = Provenance(config={"run": "resume"})
     work = work_dir_path(store, "regenerated", provenance.key)
-    finished = {"id": "a", "messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "FOUR"}],
-                "finish_reasons": ["stop"], "tokens": 1}
+    finished = {
+        "id": "a",
+        "messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "FOUR"}],
+        "finish_reasons": ["stop"],
+        "tokens": 1,
+    }
     (work / "done.jsonl").write_text(json.dumps(finished) + "\n")
 
     out = regenerate(CFG, prompts, manifest, store, provenance)
@@ -189,8 +215,12 @@ def test_a_rerun_with_every_record_finished_claims_no_gpu(verifier, prompts):
 def test_a_torn_last_line_of_the_done_log_is_dropped_and_its_record_redone(verifier, prompts):
     store, manifest = verifier
     provenance = Provenance(config={"run": "torn"})
-    finished = {"id": "a", "messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "FOUR"}],
-                "finish_reasons": ["stop"], "tokens": 1}
+    finished = {
+        "id": "a",
+        "messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "FOUR"}],
+        "finish_reasons": ["stop"],
+        "tokens": 1,
+    }
     torn = json.dumps({"id": "c", "messages": [{"role": "user", "content": "Hi"}]})[:30]  # a kill cut the write short
     (work_dir_path(store, "regenerated", provenance.key) / "done.jsonl").write_text(json.dumps(finished) + "\n" + torn)
 
@@ -201,10 +231,13 @@ def test_a_torn_last_line_of_the_done_log_is_dropped_and_its_record_redone(verif
     assert sorted(rows) == ["81", "a", "c"] and [m["role"] for m in rows["c"]["messages"]] == ["system", "user", "assistant"]
 
 
-@pytest.mark.parametrize("log, problem", [
-    ('{"id": "a", "mess\n{"id": "c"}\n', r"line 1 is not JSON"),
-    ('{"id": "a", "failed": "x"}\n["c"]\n', r"line 2: field 'id' is missing"),
-])
+@pytest.mark.parametrize(
+    "log, problem",
+    [
+        ('{"id": "a", "mess\n{"id": "c"}\n', r"line 1 is not JSON"),
+        ('{"id": "a", "failed": "x"}\n["c"]\n', r"line 2: field 'id' is missing"),
+    ],
+)
 def test_a_bad_line_inside_the_done_log_names_file_line_and_problem(verifier, prompts, log, problem):
     store, manifest = verifier
     provenance = Provenance(config={"log": log})
@@ -235,8 +268,11 @@ def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried_and_keeps_fini
     provenance = Provenance(config={"run": "oom-minimum"})
     monkeypatch.setenv(FAULT_OOM_ENV, "40")  # every first turn fits alone; record 81's second turn (60 tokens) never does
 
-    with pytest.raises(RuntimeError, match=r"records \['81'\] at every batch size tried \(regenerate.batch_size = \[2, 1\]\) "
-                                           r"down to regenerate.min_batch_size = 1: simulated out of memory.* Finished records are kept"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"records \['81'\] at every batch size tried \(regenerate.batch_size = \[2, 1\]\) "
+        r"down to regenerate.min_batch_size = 1: simulated out of memory.* Finished records are kept",
+    ):
         regenerate(CFG, prompts, manifest, store, provenance)
 
     done_log = work_dir_path(store, "regenerated", provenance.key) / "done.jsonl"
@@ -249,12 +285,15 @@ def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried_and_keeps_fini
 
 def test_an_attempt_in_a_child_process_writes_what_it_writes_in_process(verifier, prompts, tmp_path):
     _, manifest = verifier
-    attempt = RegenerateAttempt(todo=read_user_turns(prompts, None), cfg=CFG, verifier=manifest, device="cpu", batch_size=2,
-                                done_log=tmp_path / "in_process.jsonl")
+    attempt = RegenerateAttempt(
+        todo=read_user_turns(prompts, None), cfg=CFG, verifier=manifest, device="cpu", batch_size=2, done_log=tmp_path / "in_process.jsonl"
+    )
     progress = []
 
     in_process = run_attempt(_transformers_attempt, attempt, None)
-    in_child = run_attempt(_transformers_attempt, attempt.model_copy(update={"done_log": tmp_path / "in_child.jsonl"}), ["0"], progress.append)
+    in_child = run_attempt(
+        _transformers_attempt, attempt.model_copy(update={"done_log": tmp_path / "in_child.jsonl"}), ["0"], progress.append
+    )
 
     assert in_process is None and in_child is None
     assert (tmp_path / "in_child.jsonl").read_text() == (tmp_path / "in_process.jsonl").read_text()
@@ -301,8 +340,12 @@ def test_a_prompt_longer_than_the_served_context_is_listed_with_the_servers_reas
 def test_a_rerun_after_a_crash_asks_the_server_only_for_what_is_missing(served_draft, prompts):
     store = served_draft.store
     provenance = Provenance(config={"run": "served-resume"})
-    finished = {"id": "a", "messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "FOUR"}],
-                "finish_reasons": ["stop"], "tokens": 1}
+    finished = {
+        "id": "a",
+        "messages": [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "FOUR"}],
+        "finish_reasons": ["stop"],
+        "tokens": 1,
+    }
     (work_dir_path(store, "regenerated", provenance.key) / "done.jsonl").write_text(json.dumps(finished) + "\n")
     before = _served_requests(served_draft)
 
@@ -326,7 +369,9 @@ def test_an_unreachable_server_stops_the_step_and_keeps_finished_records(verifie
     closed = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     cfg = CFG.model_copy(update={"backend": "openai", "endpoint": EndpointConfig(base_url=closed, model="m", max_retries=0)})
 
-    with pytest.raises(EndpointError, match=r"did not answer after 0 retries .*APIConnectionError.* Finished records are kept in .*done\.jsonl"):
+    with pytest.raises(
+        EndpointError, match=r"did not answer after 0 retries .*APIConnectionError.* Finished records are kept in .*done\.jsonl"
+    ):
         regenerate(cfg, prompts, manifest, store, Provenance(config={"run": "unreachable"}))
 
 

@@ -53,12 +53,24 @@ def fake_openai_server(states_path: str = "", prompt_ids: list[int] | None = Non
 
         def do_POST(self):
             asked = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            self._answer({
-                "id": "c", "object": "text_completion", "created": 0, "model": MODEL,
-                "choices": [{"index": 0, "text": "a", "finish_reason": "length", "logprobs": None,
-                             "prompt_token_ids": asked["prompt"] if prompt_ids is None else prompt_ids}],
-                "kv_transfer_params": {"hidden_states_path": states_path},
-            })
+            self._answer(
+                {
+                    "id": "c",
+                    "object": "text_completion",
+                    "created": 0,
+                    "model": MODEL,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": "a",
+                            "finish_reason": "length",
+                            "logprobs": None,
+                            "prompt_token_ids": asked["prompt"] if prompt_ids is None else prompt_ids,
+                        }
+                    ],
+                    "kv_transfer_params": {"hidden_states_path": states_path},
+                }
+            )
 
         def log_message(self, *args):
             pass
@@ -130,8 +142,15 @@ def test_credentials_in_a_base_url_reach_the_server_and_nothing_else(tmp_path, c
         with_credentials = url.replace("http://", f"http://user:{SECRET}@")
         endpoint = EndpointConfig(base_url=with_credentials, model=MODEL)
         open_client(endpoint)  # the server accepted them
-        config = load_config(None, [f"store_dir={tmp_path}", "regenerate.backend=openai", f"regenerate.endpoint.model={MODEL}",
-                                    f"regenerate.endpoint.base_url={with_credentials}"])
+        config = load_config(
+            None,
+            [
+                f"store_dir={tmp_path}",
+                "regenerate.backend=openai",
+                f"regenerate.endpoint.model={MODEL}",
+                f"regenerate.endpoint.base_url={with_credentials}",
+            ],
+        )
         with pytest.raises(EndpointError) as refused:  # and a message about the server never shows them
             open_client(endpoint.model_copy(update={"model": "other"}))
 
@@ -147,8 +166,10 @@ def test_credentials_in_a_base_url_reach_the_server_and_nothing_else(tmp_path, c
 def test_a_deployment_that_pins_remote_code_off_refuses_a_run_that_asks_for_it(tiny_verifier, tmp_path, monkeypatch):
     from flows.train_draft import train_eagle3_draft
 
-    config = load_config(None, [f"store_dir={tmp_path}", f"verifier.path={tiny_verifier}", "extract.aux_layer_ids=[1,2,3]",
-                                "verifier.trust_remote_code=true"])
+    config = load_config(
+        None,
+        [f"store_dir={tmp_path}", f"verifier.path={tiny_verifier}", "extract.aux_layer_ids=[1,2,3]", "verifier.trust_remote_code=true"],
+    )
     check_preflight(config)  # allowed where nothing pins it
     monkeypatch.setenv(REMOTE_CODE_ENV, "false")
 
@@ -164,7 +185,9 @@ def test_the_shipped_deployments_pin_remote_code_off():
     deployments = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
 
     assert {d["name"]: d["work_pool"]["job_variables"]["env"][REMOTE_CODE_ENV] for d in deployments} == {
-        "train-on-demand": "false", "scheduled-retrain": "false"}
+        "train-on-demand": "false",
+        "scheduled-retrain": "false",
+    }
 
 
 class _OpensAFile:
@@ -213,9 +236,19 @@ def test_no_step_of_the_flow_pickles_its_result_even_where_prefect_persists_by_d
     tasks = {name: t for name, t in vars(flow_module).items() if isinstance(t, Task)}
 
     assert set(tasks) == {  # every step: a new one must be listed here, and is then checked
-        "build_vocab_mapping_task", "evaluate_task", "export_checkpoint_task", "extract_hidden_states_task", "measure_baselines_task",
-        "online_states_task", "prepare_dataset_task", "previous_draft_task", "promote_task", "publish_lineage_task", "regenerate_task",
-        "resolve_verifier_task", "train_draft_task",
+        "build_vocab_mapping_task",
+        "evaluate_task",
+        "export_checkpoint_task",
+        "extract_hidden_states_task",
+        "measure_baselines_task",
+        "online_states_task",
+        "prepare_dataset_task",
+        "previous_draft_task",
+        "promote_task",
+        "publish_lineage_task",
+        "regenerate_task",
+        "resolve_verifier_task",
+        "train_draft_task",
     }
     for name, task in tasks.items():  # None would follow PREFECT_RESULTS_PERSIST_BY_DEFAULT, and its pickle serializer
         assert task.persist_result is False or isinstance(task.result_serializer, ManifestSerializer), name

@@ -45,8 +45,13 @@ def served_setup(extraction_server, tmp_path_factory):
 
 
 def _served(base_url: str, storage, **kw) -> ExtractConfig:
-    return ExtractConfig(aux_layer_ids=AUX, records_per_shard=5, backend="vllm", served_states_dir=str(storage),
-                         endpoint=EndpointConfig(base_url=base_url, model=SERVED_NAME, **kw))
+    return ExtractConfig(
+        aux_layer_ids=AUX,
+        records_per_shard=5,
+        backend="vllm",
+        served_states_dir=str(storage),
+        endpoint=EndpointConfig(base_url=base_url, model=SERVED_NAME, **kw),
+    )
 
 
 @pytest.mark.vllm
@@ -54,8 +59,12 @@ def _served(base_url: str, storage, **kw) -> ExtractConfig:
 def test_served_states_equal_the_in_process_ones_and_are_cached_apart(server, request, tmp_path):
     store, verifier, dataset, base_url, served_files = _setup(request.getfixturevalue(server), tmp_path / "store")
 
-    local = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX, records_per_shard=5), dataset, verifier, store, Provenance(config={"run": "local"}))
-    served = extract_hidden_states(_served(base_url, served_files, concurrency=3), dataset, verifier, store, Provenance(config={"run": "served"}))
+    local = extract_hidden_states(
+        ExtractConfig(aux_layer_ids=AUX, records_per_shard=5), dataset, verifier, store, Provenance(config={"run": "local"})
+    )
+    served = extract_hidden_states(
+        _served(base_url, served_files, concurrency=3), dataset, verifier, store, Provenance(config={"run": "served"})
+    )
 
     assert (served.num_records, served.extracted_shards, len(served.shards)) == (10, 2, 2)  # 2 of 12 records had no answer left
     assert {s["key"] for s in served.shards}.isdisjoint(s["key"] for s in local.shards)  # a server's rounding is not the step's
@@ -95,8 +104,11 @@ def test_a_record_longer_than_the_served_context_is_named_before_any_request(ser
     first_long = next(i for i, n in enumerate(lengths) if n >= EXTRACTION_CONTEXT)
     record_id = table.column("record_id")[first_long].as_py()
 
-    with pytest.raises(ConfigError, match=rf"record '{record_id}' \(sample {first_long}, {lengths[first_long]} tokens\): "
-                                          rf"the server takes {EXTRACTION_CONTEXT} tokens a request.*--max-model-len"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"record '{record_id}' \(sample {first_long}, {lengths[first_long]} tokens\): "
+        rf"the server takes {EXTRACTION_CONTEXT} tokens a request.*--max-model-len",
+    ):
         extract_hidden_states(_served(base_url, storage), long, verifier, store, Provenance())
 
     assert list((store.root / "shards").iterdir()) == []
@@ -118,7 +130,10 @@ def test_a_sample_the_server_refuses_is_named_with_its_reason(served_setup):
 def test_a_server_that_does_not_extract_is_told_apart(served_draft, tmp_path):
     cfg = EndpointConfig(base_url=served_draft.base_url, model=served_draft.model)
 
-    with pytest.raises(EndpointError, match=r"record 'r0': Response missing kv_transfer_params\. Is the server started with the flags of `eagle3 extraction-server`"):
+    with pytest.raises(
+        EndpointError,
+        match=r"record 'r0': Response missing kv_transfer_params\. Is the server started with the flags of `eagle3 extraction-server`",
+    ):
         ServedStates(cfg, 4, served_draft.verifier.hidden_size, tmp_path).states([5, 6, 7], "record 'r0'")
 
 
@@ -131,7 +146,10 @@ def test_a_file_of_another_layer_count_or_other_tokens_is_refused_and_removed(tm
     wrong_layers = _states_file(tmp_path / "a.safetensors", [5, 6, 7], shape=(5, 8))
     other_tokens = _states_file(tmp_path / "b.safetensors", [5, 6, 8])
 
-    with pytest.raises(EndpointError, match=r"a\.safetensors \(record 'r0'\): field 'hidden_states' holds \(5, 8\) \(layers, H\) per token, expected \(4, 8\)"):
+    with pytest.raises(
+        EndpointError,
+        match=r"a\.safetensors \(record 'r0'\): field 'hidden_states' holds \(5, 8\) \(layers, H\) per token, expected \(4, 8\)",
+    ):
         read_states(wrong_layers, [5, 6, 7], (4, 8), "record 'r0'", tmp_path)
     with pytest.raises(EndpointError, match=r"b\.safetensors \(record 'r1'\): Token ids don't match"):
         read_states(other_tokens, [5, 6, 7], (4, 8), "record 'r1'", tmp_path)
@@ -156,7 +174,9 @@ def test_a_file_whose_writer_keeps_its_lock_is_waited_for_then_left_to_it(tmp_pa
     writer = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
     fcntl.flock(writer, fcntl.LOCK_EX)  # as the server's writer thread holds it until the file is written
     try:
-        with pytest.raises(EndpointError, match=r"s\.safetensors \(record 'r0'\): the server still held .*s\.safetensors\.lock after 0\.3 s"):
+        with pytest.raises(
+            EndpointError, match=r"s\.safetensors \(record 'r0'\): the server still held .*s\.safetensors\.lock after 0\.3 s"
+        ):
             read_states(str(path), [5, 6], (4, 8), "record 'r0'", tmp_path, lock_timeout_s=0.3)
         _states_file(path, [5, 6])  # written late, then let go
     finally:
@@ -167,8 +187,9 @@ def test_a_file_whose_writer_keeps_its_lock_is_waited_for_then_left_to_it(tmp_pa
 
 def test_an_unreachable_server_stops_the_step_before_any_shard(prepared_tiny, tmp_path):
     store, verifier, dataset = prepared_tiny
-    closed = ExtractConfig(aux_layer_ids=AUX, backend="vllm",
-                           endpoint=EndpointConfig(base_url=f"http://127.0.0.1:{free_port()}/v1", model="m", max_retries=0))
+    closed = ExtractConfig(
+        aux_layer_ids=AUX, backend="vllm", endpoint=EndpointConfig(base_url=f"http://127.0.0.1:{free_port()}/v1", model="m", max_retries=0)
+    )
 
     with pytest.raises(EndpointError, match=r"did not answer after 0 retries .*APIConnectionError"):
         extract_hidden_states(closed, dataset, verifier, store, Provenance())
@@ -177,8 +198,12 @@ def test_an_unreachable_server_stops_the_step_before_any_shard(prepared_tiny, tm
 
 
 def test_the_printed_gpu_server_command_captures_the_configured_layers_with_vllms_connector(tiny_verifier, tmp_path, capsys):
-    overrides = [f"verifier.path={tiny_verifier}", f"store_dir={tmp_path}", "extract.aux_layer_ids=[1,2,3]",
-                 "extract.endpoint.base_url=http://gpu-host/v1"]
+    overrides = [
+        f"verifier.path={tiny_verifier}",
+        f"store_dir={tmp_path}",
+        "extract.aux_layer_ids=[1,2,3]",
+        "extract.endpoint.base_url=http://gpu-host/v1",
+    ]
 
     assert main(["extraction-server", *overrides]) == 0
 
@@ -196,8 +221,18 @@ def test_the_printed_gpu_server_command_captures_the_configured_layers_with_vllm
 def test_the_printed_server_command_trusts_the_verifiers_code_where_the_run_does(tiny_verifier, tmp_path, capsys):
     own = with_repository_tokenizer(tiny_verifier, tmp_path / "own-tokenizer")
 
-    assert main(["extraction-server", f"verifier.path={own}", "verifier.trust_remote_code=true", f"store_dir={tmp_path}",
-                 "extract.aux_layer_ids=[1,2,3]"]) == 0
+    assert (
+        main(
+            [
+                "extraction-server",
+                f"verifier.path={own}",
+                "verifier.trust_remote_code=true",
+                f"store_dir={tmp_path}",
+                "extract.aux_layer_ids=[1,2,3]",
+            ]
+        )
+        == 0
+    )
 
     assert "--trust-remote-code" in shlex.split(capsys.readouterr().out)
 

@@ -13,8 +13,15 @@ from eagle3.data.sharegpt import bundled_sharegpt, main, read_sharegpt
 def test_a_file_cut_off_mid_record_keeps_its_complete_records_from_their_first_human_turn(tmp_path):
     records = [
         {"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]},
-        {"id": "b", "conversations": [{"from": "gpt", "value": "I start"}, {"from": "system", "value": "Be brief."},
-                                      {"from": "human", "value": "Why?"}, {"from": "bard", "value": "Because."}]},
+        {
+            "id": "b",
+            "conversations": [
+                {"from": "gpt", "value": "I start"},
+                {"from": "system", "value": "Be brief."},
+                {"from": "human", "value": "Why?"},
+                {"from": "bard", "value": "Because."},
+            ],
+        },
         {"id": "a", "conversations": [{"from": "human", "value": "Part two"}]},
         {"id": "c", "conversations": [{"from": "gpt", "value": "only the model"}]},
         {"id": "d", "conversations": []},
@@ -27,8 +34,14 @@ def test_a_file_cut_off_mid_record_keeps_its_complete_records_from_their_first_h
 
     assert kept == [
         {"id": "a", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
-        {"id": "b", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"},
-                                 {"role": "assistant", "content": "Because."}]},
+        {
+            "id": "b",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Why?"},
+                {"role": "assistant", "content": "Because."},
+            ],
+        },
         {"id": "a#2", "messages": [{"role": "user", "content": "Part two"}]},
     ]
     assert drops == {"no_human_turn": 1, "no_conversation": 1, "cut_off_at_end_of_file": 1}

@@ -41,12 +41,14 @@ def outputs(tiny_verifier, tmp_path_factory) -> tuple[Path, dict]:
     source = root / "conversations.jsonl"
     source.write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:12]))
     regenerated = regenerate(RegenerateConfig(enabled=True, max_new_tokens=8, batch_size=4), source, verifier, store, Provenance())
-    dataset = prepare_dataset(DatasetConfig(max_seq_len=256), regenerated_conversations(regenerated), load_tokenizer(verifier.path),
-                              store, Provenance())
+    dataset = prepare_dataset(
+        DatasetConfig(max_seq_len=256), regenerated_conversations(regenerated), load_tokenizer(verifier.path), store, Provenance()
+    )
     hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=[1, 2, 3], records_per_shard=8), dataset, verifier, store, Provenance())
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=256), dataset, verifier.vocab_size, store, Provenance())
-    draft = train_draft(TrainConfig(epochs=1, total_seq_len=256, train_data_ratio=0.75), dataset, hidden, vocab, verifier, store,
-                        Provenance())
+    draft = train_draft(
+        TrainConfig(epochs=1, total_seq_len=256, train_data_ratio=0.75), dataset, hidden, vocab, verifier, store, Provenance()
+    )
     checkpoint = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
     cfg = EvalConfig(num_prompts=2, max_new_tokens=8, ks=[2], device="cpu")
     prompts = write_jsonl(root / "prompts.jsonl", [{"prompt": "What is 2 + 3?"}, {"prompt": "Count to five."}])

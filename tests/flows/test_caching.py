@@ -21,22 +21,30 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = [
-    "resolve-verifier", "measure-baselines", "prepare-dataset", "extract-hidden-states", "build-vocab-mapping",
-    "train-draft", "export-checkpoint", "evaluate",
+    "resolve-verifier",
+    "measure-baselines",
+    "prepare-dataset",
+    "extract-hidden-states",
+    "build-vocab-mapping",
+    "train-draft",
+    "export-checkpoint",
+    "evaluate",
 ]
 UNTOUCHED_BY_DATA = {"resolve-verifier": "Cached", "measure-baselines": "Cached"}  # the verifier, and its decoding of the eval prompts
 
 
 def _config(store, verifier, data, **train) -> PipelineConfig:
-    return PipelineConfig.model_validate({
-        "store_dir": str(store),
-        "verifier": {"path": str(verifier)},
-        "dataset": {"path": str(data), "max_seq_len": 256},
-        "extract": {"aux_layer_ids": [1, 2, 3], "records_per_shard": 16},
-        "vocab": {"draft_vocab_size": 512},
-        "train": {"epochs": 1, "total_seq_len": 512, **train},
-        "evaluate": {"num_prompts": 2, "max_new_tokens": 16, "ks": [3]},
-    })
+    return PipelineConfig.model_validate(
+        {
+            "store_dir": str(store),
+            "verifier": {"path": str(verifier)},
+            "dataset": {"path": str(data), "max_seq_len": 256},
+            "extract": {"aux_layer_ids": [1, 2, 3], "records_per_shard": 16},
+            "vocab": {"draft_vocab_size": 512},
+            "train": {"epochs": 1, "total_seq_len": 512, **train},
+            "evaluate": {"num_prompts": 2, "max_new_tokens": 16, "ks": [3]},
+        }
+    )
 
 
 def _run(config: PipelineConfig):
@@ -131,8 +139,14 @@ def test_a_run_stopped_after_a_step_publishes_up_to_it_and_the_next_goes_on_from
 
     drafted, states = _run(config.model_copy(update={"stop_after": "checkpoint"}))
 
-    assert states == {"resolve-verifier": "Cached", "prepare-dataset": "Cached", "extract-hidden-states": "Completed",
-                      "build-vocab-mapping": "Completed", "train-draft": "Completed", "export-checkpoint": "Completed"}
+    assert states == {
+        "resolve-verifier": "Cached",
+        "prepare-dataset": "Cached",
+        "extract-hidden-states": "Completed",
+        "build-vocab-mapping": "Completed",
+        "train-draft": "Completed",
+        "export-checkpoint": "Completed",
+    }
     assert drafted.stopped_after == "checkpoint" and drafted.evaluation is None
 
     finished, states = _run(config)
@@ -161,7 +175,11 @@ def test_eagle3_lineage_of_a_flow_run_id_prints_the_graph_the_run_published_with
 
     cli = subprocess.run(
         [sys.executable, "-m", "eagle3.cli", "lineage", first.lineage.run_id, "--store", config.store_dir],
-        cwd=REPO, env=no_server, capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        env=no_server,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
     assert cli.returncode == 0, cli.stderr
@@ -213,12 +231,15 @@ def test_changing_only_batch_knobs_file_locations_or_settings_of_an_unused_backe
     shutil.copytree(config.verifier.path, moved / "verifier")
     shutil.copy(config.dataset.path, moved / "conversations.jsonl")
     shutil.copy(eval_prompts_source(config.evaluate), moved / "prompts.jsonl")
-    changed = config.model_validate(config.model_dump() | {
-        "verifier": {"path": str(moved / "verifier")},
-        "dataset": config.dataset.model_dump() | {"path": str(moved / "conversations.jsonl")},
-        "extract": config.extract.model_dump() | {"prefill_batch_tokens": 64},
-        "evaluate": config.evaluate.model_dump() | {"prompts_path": str(moved / "prompts.jsonl"), "endpoint": {"model": "verifier"}},
-    })
+    changed = config.model_validate(
+        config.model_dump()
+        | {
+            "verifier": {"path": str(moved / "verifier")},
+            "dataset": config.dataset.model_dump() | {"path": str(moved / "conversations.jsonl")},
+            "extract": config.extract.model_dump() | {"prefill_batch_tokens": 64},
+            "evaluate": config.evaluate.model_dump() | {"prompts_path": str(moved / "prompts.jsonl"), "endpoint": {"model": "verifier"}},
+        }
+    )
 
     result, states = _run(changed)
 
@@ -306,8 +327,11 @@ def test_regeneration_feeds_the_verifiers_answers_into_the_dataset(prefect_serve
 
     assert states == dict.fromkeys(["regenerate", *STEPS], "Completed")
     store = ArtifactStore(config.store_dir)
-    [regenerated] = [store.load(RegeneratedManifest, p.name) for p in (store.root / "artifacts").iterdir()
-                     if '"kind": "regenerated"' in (p / "manifest.json").read_text()]
+    [regenerated] = [
+        store.load(RegeneratedManifest, p.name)
+        for p in (store.root / "artifacts").iterdir()
+        if '"kind": "regenerated"' in (p / "manifest.json").read_text()
+    ]
     [dataset] = [n for n in lineage(store, [result.checkpoint.digest]).values() if n["kind"] == "dataset"]
     assert regenerated.num_records == dataset["num_records"] == 12
     assert dataset["parents"]["source"] == digest_file(regenerated_conversations(regenerated))
@@ -343,12 +367,20 @@ def test_a_draft_trains_on_a_vllm_servers_states_and_where_the_server_is_stays_o
 
     def served(base_url: str, concurrency: int) -> PipelineConfig:
         config = _config(tmp_path / "store", extraction_server.verifier_dir, conversations)
-        return config.model_validate(config.model_dump() | {
-            "dataset": config.dataset.model_dump() | {"max_seq_len": EXTRACTION_CONTEXT - 1},
-            "extract": {"aux_layer_ids": EXTRACTED_AUX, "records_per_shard": 16, "backend": "vllm",
-                        "served_states_dir": str(extraction_server.storage),
-                        "endpoint": {"base_url": base_url, "model": SERVED_NAME, "concurrency": concurrency}},
-        })
+        return config.model_validate(
+            config.model_dump()
+            | {
+                "dataset": config.dataset.model_dump() | {"max_seq_len": EXTRACTION_CONTEXT - 1},
+                "extract": {
+                    "aux_layer_ids": EXTRACTED_AUX,
+                    "records_per_shard": 16,
+                    "backend": "vllm",
+                    "served_states_dir": str(extraction_server.storage),
+                    "endpoint": {"base_url": base_url, "model": SERVED_NAME, "concurrency": concurrency},
+                },
+            }
+        )
+
     before = _served_requests(extraction_server.base_url)
 
     first, states = _run(served(extraction_server.base_url, 4))

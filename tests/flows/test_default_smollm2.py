@@ -83,9 +83,20 @@ def test_bad_input_exits_2_naming_file_record_and_field(prefect_server, tiny_ver
 def test_an_unreachable_server_exits_2_with_one_line_naming_it(prefect_server, tiny_verifier, tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}/v1"
 
-    code = main(["run", f"store_dir={tmp_path / 'store'}", f"verifier.path={tiny_verifier}", "regenerate.enabled=true",
-                 "regenerate.backend=openai", "regenerate.endpoint.model=verifier", f"regenerate.endpoint.base_url={url}",
-                 "regenerate.endpoint.max_retries=0", "evaluate.num_prompts=1", "evaluate.max_new_tokens=4"])
+    code = main(
+        [
+            "run",
+            f"store_dir={tmp_path / 'store'}",
+            f"verifier.path={tiny_verifier}",
+            "regenerate.enabled=true",
+            "regenerate.backend=openai",
+            "regenerate.endpoint.model=verifier",
+            f"regenerate.endpoint.base_url={url}",
+            "regenerate.endpoint.max_retries=0",
+            "evaluate.num_prompts=1",
+            "evaluate.max_new_tokens=4",
+        ]
+    )
 
     assert code == 2
     [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eagle3: ")]

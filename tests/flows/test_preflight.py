@@ -22,9 +22,19 @@ from eagle3.cli import main
 @pytest.fixture
 def run_args(tiny_verifier, conversations, tmp_path):
     """`eagle3 run` of a tiny verifier; a test adds what it breaks (later overrides win)."""
-    return ["run", f"store_dir={tmp_path / 'store'}", f"verifier.path={tiny_verifier}", f"dataset.path={conversations}",
-            "dataset.max_seq_len=256", "extract.aux_layer_ids=[1,2,3]", "vocab.draft_vocab_size=512", "train.epochs=1",
-            "evaluate.num_prompts=1", "evaluate.max_new_tokens=8", "evaluate.ks=[3]"]
+    return [
+        "run",
+        f"store_dir={tmp_path / 'store'}",
+        f"verifier.path={tiny_verifier}",
+        f"dataset.path={conversations}",
+        "dataset.max_seq_len=256",
+        "extract.aux_layer_ids=[1,2,3]",
+        "vocab.draft_vocab_size=512",
+        "train.epochs=1",
+        "evaluate.num_prompts=1",
+        "evaluate.max_new_tokens=8",
+        "evaluate.ks=[3]",
+    ]
 
 
 def _refused(args: list[str], capsys) -> list[str]:
@@ -42,32 +52,54 @@ def _broken_copy(verifier: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("what", [
-    "a .parquet file that is not parquet", "a one-record dataset", "truncated verifier weights", "a .gguf file that is not GGUF",
-    "store_dir naming a file", "more eval prompts than the file holds", "default aux layers colliding on a 4-layer verifier",
-])
+@pytest.mark.parametrize(
+    "what",
+    [
+        "a .parquet file that is not parquet",
+        "a one-record dataset",
+        "truncated verifier weights",
+        "a .gguf file that is not GGUF",
+        "store_dir naming a file",
+        "more eval prompts than the file holds",
+        "default aux layers colliding on a 4-layer verifier",
+    ],
+)
 def test_bad_input_is_named_in_one_line_before_prefect_starts(what, run_args, tiny_verifier, tmp_path, capsys):
     bad = tmp_path / "bad"
     bad.mkdir()
     override, expected = {
         "a .parquet file that is not parquet": (
-            f"dataset.path={bad / 'chats.parquet'}", r"chats\.parquet: dataset\.path is not a parquet file \(.*\); write it again"),
+            f"dataset.path={bad / 'chats.parquet'}",
+            r"chats\.parquet: dataset\.path is not a parquet file \(.*\); write it again",
+        ),
         "a one-record dataset": (
-            f"dataset.path={bad / 'one.jsonl'}", r"one\.jsonl: 1 record\(s\) to use: train\.train_data_ratio=0\.9 splits them 0 for "
-            r"training and 1 for validation, and each needs at least one\. Give at least 2 records"),
+            f"dataset.path={bad / 'one.jsonl'}",
+            r"one\.jsonl: 1 record\(s\) to use: train\.train_data_ratio=0\.9 splits them 0 for "
+            r"training and 1 for validation, and each needs at least one\. Give at least 2 records",
+        ),
         "truncated verifier weights": (
-            f"verifier.path={bad / 'verifier'}", r"verifier/model\.safetensors: truncated: its header lists \d+ bytes of tensors, "
-            r"the file holds \d+; copy the verifier again"),
+            f"verifier.path={bad / 'verifier'}",
+            r"verifier/model\.safetensors: truncated: its header lists \d+ bytes of tensors, "
+            r"the file holds \d+; copy the verifier again",
+        ),
         "a .gguf file that is not GGUF": (
-            f"verifier.path={bad / 'model.gguf'}", r"model\.gguf: not a GGUF file: it starts with b'<htm', not b'GGUF'"),
+            f"verifier.path={bad / 'model.gguf'}",
+            r"model\.gguf: not a GGUF file: it starts with b'<htm', not b'GGUF'",
+        ),
         "store_dir naming a file": (
-            f"store_dir={bad / 'store'}", r"bad/store: store_dir is a file, not a directory: set store_dir to a directory"),
+            f"store_dir={bad / 'store'}",
+            r"bad/store: store_dir is a file, not a directory: set store_dir to a directory",
+        ),
         "more eval prompts than the file holds": (
-            "evaluate.num_prompts=17", r"sample_eval_prompts\.jsonl: holds 16 prompts, but evaluate\.num_prompts is 17: set "
-            r"evaluate\.num_prompts to at most 16"),
+            "evaluate.num_prompts=17",
+            r"sample_eval_prompts\.jsonl: holds 16 prompts, but evaluate\.num_prompts is 17: set "
+            r"evaluate\.num_prompts to at most 16",
+        ),
         "default aux layers colliding on a 4-layer verifier": (
-            "extract.aux_layer_ids=null", r"has 4 layers: the default extract\.aux_layer_ids \[2, n//2, n-3\] = \[2, 2, 1\] repeat a "
-            r"layer\. Set extract\.aux_layer_ids to 3 distinct ascending ids in 0\.\.3, e\.g\. \[1, 2, 3\]"),
+            "extract.aux_layer_ids=null",
+            r"has 4 layers: the default extract\.aux_layer_ids \[2, n//2, n-3\] = \[2, 2, 1\] repeat a "
+            r"layer\. Set extract\.aux_layer_ids to 3 distinct ascending ids in 0\.\.3, e\.g\. \[1, 2, 3\]",
+        ),
     }[what]
     (bad / "chats.parquet").write_text('{"messages": []}\n')
     (bad / "one.jsonl").write_text(SAMPLE.read_text().splitlines(keepends=True)[0])
@@ -108,8 +140,11 @@ def read_only_dir(tmp_path):
 def test_a_read_only_store_is_named_before_prefect_starts(run_args, read_only_dir, capsys):
     [line] = _refused([*run_args, f"store_dir={read_only_dir}"], capsys)
 
-    assert re.search(r"read-only-store: store_dir is not writable \((Permission denied|Operation not permitted)\): every step "
-                     r"writes its artifacts there; set store_dir to a directory you may write", line), line
+    assert re.search(
+        r"read-only-store: store_dir is not writable \((Permission denied|Operation not permitted)\): every step "
+        r"writes its artifacts there; set store_dir to a directory you may write",
+        line,
+    ), line
 
 
 def _run_cli(args: list[str], prefect_server: str, cwd: Path, limit_file_bytes: int | None = None) -> subprocess.CompletedProcess:
@@ -122,8 +157,9 @@ def _run_cli(args: list[str], prefect_server: str, cwd: Path, limit_file_bytes: 
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_bytes, limit_file_bytes))
 
     env = {**os.environ, "PREFECT_API_URL": prefect_server}
-    return subprocess.run([sys.executable, "-m", "eagle3.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=900, preexec_fn=limit)
+    return subprocess.run(
+        [sys.executable, "-m", "eagle3.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900, preexec_fn=limit
+    )
 
 
 @pytest.mark.slow
@@ -151,5 +187,8 @@ def test_a_disk_that_fills_during_a_step_ends_in_one_line_naming_the_store(prefe
     output = done.stdout + done.stderr
     assert done.returncode == 2, output
     assert "Traceback" not in output
-    assert re.match(rf"eagle3: {tmp_path / 'store'}\S*: cannot write: File too large\. Free space on store_dir's filesystem "
-                    r"\(or set store_dir elsewhere\) and run again: finished steps stay cached", done.stderr.splitlines()[-1]), output
+    assert re.match(
+        rf"eagle3: {tmp_path / 'store'}\S*: cannot write: File too large\. Free space on store_dir's filesystem "
+        r"\(or set store_dir elsewhere\) and run again: finished steps stay cached",
+        done.stderr.splitlines()[-1],
+    ), output

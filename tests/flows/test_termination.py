@@ -78,10 +78,26 @@ def test_a_signalled_run_and_every_process_it_started_are_gone_within_10_s(how, 
     log = tmp_path / "run.log"
     with open(log, "w") as out:
         run = subprocess.Popen(
-            [sys.executable, "-m", "eagle3.cli", "run", f"store_dir={tmp_path / 'store'}", f"verifier.path={tiny_verifier}",
-             f"dataset.path={conversations}", "dataset.max_seq_len=256", "extract.aux_layer_ids=[1,2,3]",
-             "vocab.draft_vocab_size=512", "train.epochs=1", "evaluate.num_prompts=1", "evaluate.max_new_tokens=8"],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,  # its own group, not pytest's
+            [
+                sys.executable,
+                "-m",
+                "eagle3.cli",
+                "run",
+                f"store_dir={tmp_path / 'store'}",
+                f"verifier.path={tiny_verifier}",
+                f"dataset.path={conversations}",
+                "dataset.max_seq_len=256",
+                "extract.aux_layer_ids=[1,2,3]",
+                "vocab.draft_vocab_size=512",
+                "train.epochs=1",
+                "evaluate.num_prompts=1",
+                "evaluate.max_new_tokens=8",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group, not pytest's
         )
     started: set[int] = set()
     try:

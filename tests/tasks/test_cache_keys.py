@@ -71,37 +71,85 @@ def current_keys(root: Path) -> dict[str, str]:
         return ArtifactManifest(kind=kind, digest=f"{n:064x}", path=root)
 
     verifier, dataset, hidden, vocab, draft, checkpoint, baselines, online = (
-        artifact(kind, n) for n, kind in enumerate(["verifier", "dataset", "hidden_states", "vocab_mapping", "draft", "checkpoint", "baseline",
-                                                    "online_states"])
+        artifact(kind, n)
+        for n, kind in enumerate(
+            ["verifier", "dataset", "hidden_states", "vocab_mapping", "draft", "checkpoint", "baseline", "online_states"]
+        )
     )
     cpu_eval = EvalConfig(device="cpu")
     cases = {
         "verifier": (resolve_verifier_task, {"cfg": VerifierConfig(), "source": source}),
         "regenerated": (regenerate_task, {"cfg": RegenerateConfig(), "source": source, "verifier": verifier}),
         "regenerated/openai": (
-            regenerate_task, {"cfg": RegenerateConfig(backend="openai", endpoint=served), "source": source, "verifier": verifier}),
+            regenerate_task,
+            {"cfg": RegenerateConfig(backend="openai", endpoint=served), "source": source, "verifier": verifier},
+        ),
         "dataset": (prepare_dataset_task, {"cfg": DatasetConfig(), "source": source, "verifier": verifier}),
         "hidden_states": (extract_hidden_states_task, {"cfg": ExtractConfig(), "dataset": dataset, "verifier": verifier}),
         "hidden_states/vllm": (
-            extract_hidden_states_task, {"cfg": ExtractConfig(backend="vllm", endpoint=served), "dataset": dataset, "verifier": verifier}),
+            extract_hidden_states_task,
+            {"cfg": ExtractConfig(backend="vllm", endpoint=served), "dataset": dataset, "verifier": verifier},
+        ),
         "hidden_states/vllm-engine": (extract_hidden_states_task, {"cfg": ENGINE, "dataset": dataset, "verifier": verifier}),
         "hidden_states/online": (online_states_task, {"cfg": ExtractConfig(), "dataset": dataset, "verifier": verifier}),
         "vocab_mapping": (build_vocab_mapping_task, {"cfg": VocabConfig(), "dataset": dataset, "verifier": verifier}),
-        "draft": (train_draft_task, {"cfg": TrainConfig(device="cpu"), "dataset": dataset, "hidden_states": hidden, "vocab": vocab,
-                                     "verifier": verifier, "init": None}),
-        "draft/online": (train_draft_task, {"cfg": TrainConfig(device="cpu"), "dataset": dataset, "hidden_states": online, "vocab": vocab,
-                                            "verifier": verifier, "init": None}),
-        "checkpoint": (export_checkpoint_task, {"cfg": ExportConfig(), "draft": draft, "verifier": verifier, "vocab": vocab,
-                                                "hidden_states": hidden}),
+        "draft": (
+            train_draft_task,
+            {
+                "cfg": TrainConfig(device="cpu"),
+                "dataset": dataset,
+                "hidden_states": hidden,
+                "vocab": vocab,
+                "verifier": verifier,
+                "init": None,
+            },
+        ),
+        "draft/online": (
+            train_draft_task,
+            {
+                "cfg": TrainConfig(device="cpu"),
+                "dataset": dataset,
+                "hidden_states": online,
+                "vocab": vocab,
+                "verifier": verifier,
+                "init": None,
+            },
+        ),
+        "checkpoint": (
+            export_checkpoint_task,
+            {"cfg": ExportConfig(), "draft": draft, "verifier": verifier, "vocab": vocab, "hidden_states": hidden},
+        ),
         "baseline": (measure_baselines_task, {"cfg": cpu_eval, "verifier": verifier, "prompts": source}),
-        "evaluation": (evaluate_task, {"cfg": cpu_eval, "checkpoint": checkpoint, "hidden_states": hidden, "verifier": verifier,
-                                       "prompts": source, "baselines": baselines}),
-        "evaluation/vllm": (evaluate_task, {"cfg": EvalConfig(backend="vllm", endpoint=served), "checkpoint": checkpoint,
-                                            "hidden_states": hidden, "verifier": verifier, "prompts": source, "baselines": None}),
+        "evaluation": (
+            evaluate_task,
+            {
+                "cfg": cpu_eval,
+                "checkpoint": checkpoint,
+                "hidden_states": hidden,
+                "verifier": verifier,
+                "prompts": source,
+                "baselines": baselines,
+            },
+        ),
+        "evaluation/vllm": (
+            evaluate_task,
+            {
+                "cfg": EvalConfig(backend="vllm", endpoint=served),
+                "checkpoint": checkpoint,
+                "hidden_states": hidden,
+                "verifier": verifier,
+                "prompts": source,
+                "baselines": None,
+            },
+        ),
     }
     keys = {name: task.cache_policy.provenance(store, **inputs).key for name, (task, inputs) in cases.items()}
-    shard_routes = {"shard": ExtractConfig(), "shard/vllm": ExtractConfig(backend="vllm", endpoint=served), "shard/vllm-engine": ENGINE,
-                    "shard/fp8": ExtractConfig(storage="fp8")}
+    shard_routes = {
+        "shard": ExtractConfig(),
+        "shard/vllm": ExtractConfig(backend="vllm", endpoint=served),
+        "shard/vllm-engine": ENGINE,
+        "shard/fp8": ExtractConfig(storage="fp8"),
+    }
     for name, cfg in shard_routes.items():
         keys[name] = shard_key(cfg, verifier, [1, 2, 3], [[1, 2, 3], [4, 5]])
     return keys
@@ -146,8 +194,14 @@ def test_editing_and_relocating_the_source_keeps_every_key(tmp_path):
         "from test_cache_keys import current_keys; print(json.dumps(current_keys(Path(sys.argv[2]))))"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy), str(Path(__file__).parent)])}
-    done = subprocess.run([sys.executable, "-c", script, str(copy), str(tmp_path / "inputs")], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(copy), str(tmp_path / "inputs")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     (tmp_path / "here").mkdir()

@@ -100,13 +100,10 @@ def test_a_failing_step_releases_its_slots(no_gpu_limit):
 
 def test_a_killed_holders_slots_return_when_its_lease_expires(no_gpu_limit, prefect_server):
     assert main(["gpu-limit", "--gpus", "1"]) == 0
-    code = (
-        "import time; from tasks.gpu import gpu_slots\n"
-        "with gpu_slots(1):\n"
-        "    print('held', flush=True); time.sleep(600)\n"
+    code = "import time; from tasks.gpu import gpu_slots\nwith gpu_slots(1):\n    print('held', flush=True); time.sleep(600)\n"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, "PREFECT_API_URL": prefect_server}
     )
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PREFECT_API_URL": prefect_server})
     assert holder.stdout.readline().strip() == "held"
     assert _active_slots() == 1
 

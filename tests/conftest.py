@@ -36,8 +36,12 @@ SAMPLE = Path(__file__).resolve().parents[1] / "eagle3" / "data" / "sample_conve
 
 def pytest_collection_modifyitems(items):
     """Tests of the `vllm` marker run last: the session's vLLM servers (1.7 GB each, their own
-    engine processes) then start once the rest is done and share the CPUs with nothing heavier."""
+    engine processes) then start once the rest is done and share the CPUs with nothing heavier.
+    A test that starts a server (`vllm`, `e2e`) is `slow`: out of the fast lane."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+    for item in items:
+        if item.get_closest_marker("vllm") or item.get_closest_marker("e2e"):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,8 @@ from eagle3.verifier.forward import DynamicForward, StaticForward
 from eagle3.verifier.loading import eos_token_ids, load_text_model, load_tokenizer
 from eagle3.verifier.resolve_verifier import resolve_verifier
 
+pytestmark = pytest.mark.slow  # speculative decoding of real prompts, resumed and killed evaluations
+
 AUX = [1, 2, 3]
 
 

@@ -257,6 +257,7 @@ def test_nested_verifier_loads_its_text_decoder(tiny_nested_verifier, tmp_path):
     assert load_file(hidden_state_files(manifest)[3])["hidden_states"].shape[1:] == (4, 64)
 
 
+@pytest.mark.slow
 def test_out_of_memory_halves_the_prefill_batch_and_retries_the_shard(prepared, monkeypatch, tmp_path):
     _, verifier, dataset = prepared
     longest = max(load_dataset_table(dataset).column("seq_len").to_pylist())

@@ -29,6 +29,8 @@ from eagle3.training.vocab_mapping import build_vocab_mapping
 from eagle3.verifier.loading import load_tokenizer
 from eagle3.verifier.resolve_verifier import resolve_verifier
 
+pytestmark = pytest.mark.slow  # extraction of both precisions and two trainings
+
 AUX = [1, 2, 3]
 
 

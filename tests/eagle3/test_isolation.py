@@ -18,6 +18,8 @@ from eagle3.runtime.attempts import ChildProcessFailed, run_attempt
 from eagle3.runtime.devices import lock_free_gpus
 from eagle3.store.artifacts import ArtifactError
 
+pytestmark = pytest.mark.slow  # child processes that import torch and transformers
+
 
 class Steps(BaseModel):
     steps: int = 1

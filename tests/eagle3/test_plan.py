@@ -19,6 +19,8 @@ from eagle3.store.manifests import Provenance
 from eagle3.verifier.loading import load_tokenizer
 from eagle3.verifier.resolve_verifier import resolve_verifier
 
+pytestmark = pytest.mark.slow  # meta-device models of real verifiers' configs, and a flow
+
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 KIMI = CONFIGS / "kimi-k2.5"
 LLAMA_8B = CONFIGS / "llama-3.1-8b-instruct"

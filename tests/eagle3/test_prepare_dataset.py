@@ -209,6 +209,7 @@ def _write_once_read(fifo: Path, text: str, deadline: float) -> None:
         f.write(text)
 
 
+@pytest.mark.slow
 def test_a_run_that_waited_for_the_same_step_returns_what_the_other_run_published(tmp_path, chatml, conversations):
     """The source is a FIFO: the first run blocks reading it while it holds the step's work dir, and
     a second run that read it too would block for good, as nothing writes to it a second time."""

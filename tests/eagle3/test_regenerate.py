@@ -24,6 +24,8 @@ from eagle3.verifier.forward import DynamicForward
 from eagle3.verifier.loading import load_text_model, load_tokenizer
 from eagle3.verifier.resolve_verifier import resolve_verifier
 
+pytestmark = pytest.mark.slow  # generation by the verifier, in child processes and against a vLLM server
+
 CFG = RegenerateConfig(enabled=True, max_new_tokens=12, batch_size=2)
 NO_SYSTEM = (
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"

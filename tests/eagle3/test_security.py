@@ -135,6 +135,7 @@ def test_a_states_file_inside_the_states_directory_is_read_and_removed(tmp_path)
     assert list(storage.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_credentials_in_a_base_url_reach_the_server_and_nothing_else(tmp_path, capsys):
     from flows.train_draft import train_eagle3_draft
 
@@ -200,6 +201,7 @@ class _OpensAFile:
         return open, (self.marker, "w")
 
 
+@pytest.mark.slow
 def test_a_pickle_planted_in_the_result_store_under_a_steps_key_is_never_unpickled(prefect_server, tiny_verifier, tmp_path):
     from prefect.results import get_default_result_storage
     from prefect.serializers import PickleSerializer

@@ -28,6 +28,8 @@ from eagle3.store.manifests import Provenance
 from eagle3.verifier.loading import load_tokenizer
 from eagle3.verifier.resolve_verifier import resolve_verifier
 
+pytestmark = pytest.mark.slow  # vLLM servers
+
 
 def _setup(server, store_dir):
     """An extracting server, its verifier, and a sample dataset whose samples fit its context."""

@@ -42,6 +42,8 @@ from eagle3.training.vocab_mapping import build_vocab_mapping
 from eagle3.verifier.loading import load_tokenizer
 from eagle3.verifier.resolve_verifier import resolve_verifier
 
+pytestmark = pytest.mark.slow  # each test trains a draft with speculators' trainer
+
 TRAIN = TrainConfig(epochs=3, total_seq_len=512)
 
 

@@ -31,6 +31,8 @@ from eagle3.training.vocab_mapping import build_vocab_mapping
 from eagle3.verifier.loading import load_tokenizer
 from eagle3.verifier.resolve_verifier import resolve_verifier
 
+pytestmark = pytest.mark.slow  # each test trains, kills and resumes a draft
+
 TRAIN = TrainConfig(epochs=2, total_seq_len=512)
 
 

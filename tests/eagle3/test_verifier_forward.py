@@ -22,6 +22,7 @@ def _generate(model, prompt, n):
     return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)[0, len(prompt) :].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [lambda m: StaticForward(m, None, 64), lambda m: DynamicForward(m, None)], ids=["static", "dynamic"])
 def test_greedy_decoding_equals_transformers_generate_and_n_gram_drafting_changes_nothing(model, make):
     forward = make(model)

@@ -10,7 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # each test waits out a real exit deadline
 
 RUN = """
 import signal, sys, time

@@ -417,7 +417,6 @@ def main() -> None:
     own_eval_sets = _named_files(args.eval, parser)
 
     set_prefect_defaults()
-    exit_cleanly_on_sigterm()
     from eagle3.store.files import digest_file
     from flows.train_draft import train_eagle3_draft
 
@@ -456,4 +455,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with exit_cleanly_on_sigterm():
+        main()

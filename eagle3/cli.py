@@ -250,7 +250,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     set_prefect_defaults()
-    exit_cleanly_on_sigterm()
+    with exit_cleanly_on_sigterm():
+        return _command(args)
+
+
+def _command(args) -> int:
     if args.command == "gpu-limit":
         return _gpu_limit(args.gpus)
     if args.command == "lineage":

@@ -27,23 +27,32 @@ def set_prefect_defaults() -> None:
 EXIT_DEADLINE_S = 8.0  # after SIGTERM; a run must be gone within 10 s however the signal came
 
 
-def exit_cleanly_on_sigterm() -> None:
-    """SIGTERM (`kill`, `timeout`, a scheduler) exits through Python's shutdown, which runs the
-    atexit hooks: Prefect's workers send their last logs, then the temporary server stops. Python's
-    default action skips them. During a flow Prefect's own handler marks the run crashed by raising
-    in the main thread, then re-sends the signal to the handler it found, this one.
+@contextmanager
+def exit_cleanly_on_sigterm() -> Iterator[None]:
+    """While the block runs, SIGTERM (`kill`, `timeout`, a scheduler) exits through Python's
+    shutdown, which runs the atexit hooks: Prefect's workers send their last logs, then the
+    temporary server stops. Python's default action skips them. During a flow Prefect's own handler
+    marks the run crashed by raising in the main thread, then re-sends the signal to the handler it
+    found, this one.
 
     That exception can be lost: raised while the main thread runs a finalizer (`__del__`), Python
     prints "Exception ignored" and the run goes on. So the deadline does not wait for a handler: the
     signal's arrival is read from the interpreter's wakeup fd by a thread of its own, which ends
     the process `EXIT_DEADLINE_S` later whatever the main thread does, and at once on a second
     SIGTERM. Children (the temporary server, a step's child process) get SIGTERM from the kernel as
-    it dies. Call from the main thread, before the flow starts."""
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    it dies. Afterwards the previous handler and wakeup fd are back (a test calling `eagle3.cli.main`
+    leaves its process as it found it). Enter from the main thread."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     read, write = os.pipe()
     os.set_blocking(write, False)
-    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     threading.Thread(target=_exit_deadline, args=(read,), name="eagle3-sigterm-watch", daemon=True).start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        signal.signal(signal.SIGTERM, previous)
+        os.close(write)  # the watcher reads the end of the pipe and stops
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -52,11 +61,11 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 def _exit_deadline(wakeup: int) -> None:
     """Started by the first SIGTERM that reaches the process, ends it `EXIT_DEADLINE_S` later; a
-    second ends it at once."""
+    second ends it at once. Returns when the pipe is closed."""
     code = 128 + signal.SIGTERM
     deadline: threading.Timer | None = None
-    while True:
-        for signum in os.read(wakeup, 64):  # one byte per signal that arrived, its number
+    while arrived := os.read(wakeup, 64):  # one byte per signal that arrived, its number
+        for signum in arrived:
             if signum != signal.SIGTERM:
                 continue
             if deadline is not None:
@@ -64,6 +73,7 @@ def _exit_deadline(wakeup: int) -> None:
             deadline = threading.Timer(EXIT_DEADLINE_S, os._exit, args=(code,))
             deadline.daemon = True
             deadline.start()
+    os.close(wakeup)
 
 
 class _WithoutTraceback(logging.Formatter):

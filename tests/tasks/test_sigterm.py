@@ -19,20 +19,18 @@ RUN = """
 import signal, sys, time
 from tasks.settings import exit_cleanly_on_sigterm
 
-exit_cleanly_on_sigterm()
-
 def lost(signum, frame):  # as Prefect's handler does during a flow: raise in the main thread
     raise RuntimeError("termination")
-
-signal.signal(signal.SIGTERM, lost)
 
 class Finalizer:
     def __del__(self):
         time.sleep(0.2)  # the signal lands here: its exception is printed and ignored
 
-print("ready", flush=True)
-while True:
-    Finalizer()
+with exit_cleanly_on_sigterm():
+    signal.signal(signal.SIGTERM, lost)
+    print("ready", flush=True)
+    while True:
+        Finalizer()
 """
 
 
@@ -60,3 +58,23 @@ def test_a_second_sigterm_ends_the_process_at_once():
     sent = time.monotonic()
 
     assert run.wait(timeout=30) == 128 + signal.SIGTERM and time.monotonic() - sent < 2
+
+
+def test_outside_its_block_a_sigterm_is_the_previous_handlers_again():
+    """`eagle3.cli.main` called in a process (as tests do) leaves no watcher behind: a SIGTERM that
+    another handler survives later (speculators' saves a checkpoint and returns) ends nothing."""
+    import threading
+
+    from tasks.settings import exit_cleanly_on_sigterm
+
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        with exit_cleanly_on_sigterm():
+            pass
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert received == [signal.SIGTERM]
+        assert not any(t.name == "eagle3-sigterm-watch" for t in threading.enumerate())
+    finally:
+        signal.signal(signal.SIGTERM, previous)

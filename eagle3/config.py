@@ -212,11 +212,29 @@ class RegenerateConfig(_ServerCapableGroup):
         "e.g. vLLM serving the verifier at scale.",
     )
     endpoint: EndpointConfig = Field(EndpointConfig(), description="The server, for backend 'openai'.")
+    more_base_urls: list[str] = Field(
+        default_factory=list,
+        description="Backend 'openai': API roots of more servers of the same model (one per host, say), each sent "
+        "endpoint.concurrency requests at once: records are spread over all of them, and one that stops answering "
+        "mid-run loses only its requests in flight, which the others answer again.",
+        json_schema_extra=_NO_KEY,
+    )
     batch_size: int = Field(16, ge=1, description="Conversations generated together (transformers backend).", json_schema_extra=_NO_KEY)
     min_batch_size: int = Field(
         1, ge=1, description="Out-of-memory back-off halves batch_size down to this, then fails.", json_schema_extra=_NO_KEY
     )
     device: Device = Field("auto", description="Where the transformers backend generates.", json_schema_extra=_NO_KEY)
+
+    @field_serializer("more_base_urls")
+    def _redacted(self, urls: list[str]) -> list[str]:
+        return [redacted_url(url) for url in urls]
+
+    def __repr_args__(self):
+        return [(name, self._redacted(value) if name == "more_base_urls" else value) for name, value in super().__repr_args__()]
+
+    def endpoints(self) -> list[EndpointConfig]:
+        """`endpoint`, then one like it for each of `more_base_urls`."""
+        return [self.endpoint, *(self.endpoint.model_copy(update={"base_url": url}) for url in self.more_base_urls)]
 
 
 class EngineConfig(_Group):

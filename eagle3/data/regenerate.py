@@ -5,8 +5,8 @@ Input records: `prompt` (one user turn), MT-bench `turns` (several user turns), 
 in order, so each later user turn sees the regenerated earlier answers. Two backends:
 `transformers`, batched `generate` (KV cache on, left padding, prompts sorted by length) with the
 verifier loaded by the step, and `openai`, chat requests to an OpenAI-compatible server such as
-`vllm serve` (records in parallel, `endpoint.concurrency` at a time), which is how the verifier is
-used at scale. Greedy or sampled with a fixed seed; thinking (`<think>...</think>`, or a server's
+`vllm serve` (records in parallel, `endpoint.concurrency` at a time per server, spread over
+`more_base_urls` too: `eagle3.serving.replicas`), which is how the verifier is used at scale. Greedy or sampled with a fixed seed; thinking (`<think>...</think>`, or a server's
 separate reasoning field) can be stripped.
 
 The transformers backend runs in attempts: one model load, then the remaining records batch by
@@ -34,8 +34,9 @@ import re
 import shutil
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, Field
@@ -47,7 +48,8 @@ from eagle3.runtime.attempts import NO_GPU, Backoff, BatchBackoff, GpuClaim, Out
 from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, inference_mode, resolve_device
 from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
-from eagle3.serving.endpoint import EndpointError, RequestRejected, chat, open_client
+from eagle3.serving.endpoint import EndpointError, RequestRejected, chat
+from eagle3.serving.replicas import open_servers, spread
 from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
 from eagle3.store.done_log import DONE_LOG, append_done, read_done
 from eagle3.store.manifests import ArtifactManifest, Provenance
@@ -55,6 +57,9 @@ from eagle3.store.versions import route
 from eagle3.verifier.loading import chat_prompt_ids, eos_token_ids
 from eagle3.verifier.placement import Worker, load_placed, place_verifier
 from eagle3.verifier.resolve_verifier import VerifierManifest, verifier_tokenizer
+
+if TYPE_CHECKING:
+    from eagle3.serving.replicas import Server
 
 __all__ = ["RegeneratedManifest", "regenerate", "regenerate_provenance", "regenerated_conversations"]
 
@@ -268,16 +273,16 @@ def _regenerate_by_transformers(
 
 
 def _answers_by_server(todo: list[Record], cfg: RegenerateConfig) -> Iterator[dict]:
-    client, _ = open_client(cfg.endpoint)
     sampling = {"max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
 
-    def answer(record: Record) -> dict:
+    def answer(record: Record, server: Server) -> dict:
+        endpoint, client = server
         record_id, system, users = record
         messages, reasons, tokens = list(system), [], 0
         for turn, user in enumerate(users):
             messages.append({"role": "user", "content": user})
             try:
-                served = chat(client, cfg.endpoint, messages, sampling)
+                served = chat(client, endpoint, messages, sampling)
             except RequestRejected as exc:
                 return {"id": record_id, "failed": f"server rejected turn {turn}: {exc}"}
             text = _answer_text(served.content, served.reasoning, cfg.strip_thinking)
@@ -288,14 +293,7 @@ def _answers_by_server(todo: list[Record], cfg: RegenerateConfig) -> Iterator[di
             tokens += served.completion_tokens
         return _finished(record_id, messages, reasons, tokens)
 
-    with ThreadPoolExecutor(cfg.endpoint.concurrency) as pool:
-        futures = [pool.submit(answer, record) for record in todo]
-        try:
-            for future in as_completed(futures):
-                yield future.result()
-        finally:
-            for future in futures:
-                future.cancel()
+    yield from spread(todo, open_servers(cfg.endpoints()), answer)
 
 
 def _regenerate_by_server(todo: list[Record], cfg: RegenerateConfig, done_log: Path, records_done) -> None:

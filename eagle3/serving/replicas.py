@@ -1,0 +1,90 @@
+"""Requests spread over several servers of one model (`vllm serve` on each of several hosts).
+
+Each server has up to `concurrency` requests in flight; a free slot takes the next item. A server
+that stops answering (`EndpointError`: no answer after its client's retries) is dropped with a
+warning naming it, and the items it had in flight go back to the front of the queue for the
+others: a server that dies mid-run loses only the work it was doing. The step fails only when
+no server is left. A server that refuses one request (`RequestRejected`) is not dropped: that is
+the item's failure, which `work` reports.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, TypeVar
+
+from eagle3.config import EndpointConfig
+from eagle3.serving.endpoint import EndpointError, open_client
+
+if TYPE_CHECKING:  # openai is imported where a request is sent, not where this module is loaded
+    import openai
+
+    Server = tuple[EndpointConfig, openai.OpenAI]
+
+__all__ = ["open_servers", "spread"]
+
+log = logging.getLogger(__name__)
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+def open_servers(endpoints: Sequence[EndpointConfig]) -> list[Server]:
+    """A client for each endpoint that answers and serves its model; those that do not are left
+    out with a warning, while one does.
+
+    Raises:
+        EndpointError: none of them answers (the first one's error).
+    """
+    servers, errors = [], []
+    for endpoint in endpoints:
+        try:
+            servers.append((endpoint, open_client(endpoint)[0]))
+        except EndpointError as exc:
+            errors.append(exc)
+    if not servers:
+        raise errors[0]
+    for error in errors:
+        log.warning("%s; continuing with the other %d server(s)", error, len(servers))
+    return servers
+
+
+def spread(items: Sequence[Item], servers: Sequence[Server], work: Callable[[Item, Server], Result]) -> Iterator[Result]:
+    """`work(item, server)` for every item, at most `endpoint.concurrency` at once per server;
+    results as they finish.
+
+    Raises:
+        EndpointError: every server stopped answering; the items finished before are yielded.
+    """
+    pending: deque[Item] = deque(items)
+    alive = list(range(len(servers)))
+    load = [0] * len(servers)
+    in_flight: dict[Future, tuple[Item, int]] = {}
+    with ThreadPoolExecutor(sum(endpoint.concurrency for endpoint, _ in servers)) as pool:
+        try:
+            while pending or in_flight:
+                for s in alive:
+                    while pending and load[s] < servers[s][0].concurrency:
+                        item = pending.popleft()
+                        in_flight[pool.submit(work, item, servers[s])] = (item, s)
+                        load[s] += 1
+                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                for future in done:
+                    item, s = in_flight.pop(future)
+                    load[s] -= 1
+                    try:
+                        yield future.result()
+                    except EndpointError as exc:
+                        if s in alive:
+                            alive.remove(s)
+                            if alive:
+                                log.warning("%s; its requests in flight go to the other %d server(s)", exc, len(alive))
+                        if not alive:
+                            raise
+                        pending.appendleft(item)
+        finally:
+            for future in in_flight:
+                future.cancel()

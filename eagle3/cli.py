@@ -79,7 +79,9 @@ def _config(args) -> int:
         set_to = "" if doc.value == doc.default else f"   (default: {doc.default!r})"
         key = {"value": "in the cache key", "content": "in the cache key by content", "no": "not in the cache key"}[doc.cache_key]
         print(f"{doc.name} = {doc.value!r}{set_to}")
-        print(textwrap.fill(f"{doc.description} [{key}]", width=100, initial_indent="    ", subsequent_indent="    "))
+        marker = f"[{key}]".replace(" ", "\N{NO-BREAK SPACE}")  # never split over two lines
+        text = textwrap.fill(f"{doc.description} {marker}", width=100, initial_indent="    ", subsequent_indent="    ")
+        print(text.replace("\N{NO-BREAK SPACE}", " "))
     return 0
 
 

@@ -72,9 +72,20 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
 
 def test_bad_input_exits_2_naming_file_record_and_field(prefect_server, tiny_verifier, tmp_path, capsys):
     data = tmp_path / "chats.jsonl"
-    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}\n')
+    data.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}\n'
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+    )
 
-    code = main(["run", f"store_dir={tmp_path / 'store'}", f"verifier.path={tiny_verifier}", f"dataset.path={data}"])
+    code = main(
+        [
+            "run",
+            f"store_dir={tmp_path / 'store'}",
+            f"verifier.path={tiny_verifier}",
+            f"dataset.path={data}",
+            "extract.aux_layer_ids=[1,2,3]",
+        ]
+    )
 
     assert code == 2
     assert "chats.jsonl: record 0 (id '0'): field 'messages[1].role': unknown role 'bot'" in capsys.readouterr().err
@@ -88,6 +99,7 @@ def test_an_unreachable_server_exits_2_with_one_line_naming_it(prefect_server, t
             "run",
             f"store_dir={tmp_path / 'store'}",
             f"verifier.path={tiny_verifier}",
+            "extract.aux_layer_ids=[1,2,3]",
             "regenerate.enabled=true",
             "regenerate.backend=openai",
             "regenerate.endpoint.model=verifier",

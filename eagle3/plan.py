@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from eagle3.config import ConfigError, PipelineConfig
 from eagle3.data.prepare_dataset import dataset_source, read_conversations, read_user_turns
 from eagle3.extraction.storage import bytes_per_token, per_token_arithmetic
-from eagle3.runtime.devices import device_type, host_gpu_ids
+from eagle3.runtime.devices import device_type, gpu_memory_bytes, host_gpu_ids
 from eagle3.store.artifacts import digest_tree
 from eagle3.verifier import placement
 from eagle3.verifier.loading import load_tokenizer, read_config, text_config
@@ -185,7 +185,7 @@ def _gpu_memory(config: PipelineConfig) -> tuple[int | None, str]:
     if config.verifier.gpu_memory_gib is not None:
         return int(config.verifier.gpu_memory_gib * GIB), "verifier.gpu_memory_gib"
     host = host_gpu_ids()[: config.verifier.num_gpus] if device_type("auto") == "cuda" else []
-    memory = placement.gpu_memory_bytes(host) if host else None
+    memory = gpu_memory_bytes(host) if host else None
     return (min(memory), "nvidia-smi") if memory else (None, "")
 
 

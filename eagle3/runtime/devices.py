@@ -23,6 +23,7 @@ __all__ = [
     "device_type",
     "free_device_memory",
     "gpu_count",
+    "gpu_memory_bytes",
     "gpu_memory_used_mib",
     "host_gpu_ids",
     "in_process_device",
@@ -90,12 +91,12 @@ def free_device_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
-def gpu_memory_used_mib(devices: list[str]) -> dict[str, int] | None:
-    """Memory in use on each device as the driver reports it (nvidia-smi), without creating a CUDA
-    context here; None where nvidia-smi is not available."""
+def _nvidia_smi(fields: str, devices: list[str]) -> list[list[str]] | None:
+    """`fields` of each of `devices` as the driver reports them (nvidia-smi), without creating a
+    CUDA context here: one row of stripped values per device; None where nvidia-smi is not available."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits", "-i", ",".join(devices)],
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", ",".join(devices)],
             capture_output=True,
             text=True,
             timeout=30,
@@ -103,8 +104,19 @@ def gpu_memory_used_mib(devices: list[str]) -> dict[str, int] | None:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    rows = [[field.strip() for field in line.split(",")] for line in out.strip().splitlines()]
-    return {index: int(mib) for index, _uuid, mib in rows}
+    return [[field.strip() for field in line.split(",")] for line in out.strip().splitlines()]
+
+
+def gpu_memory_used_mib(devices: list[str]) -> dict[str, int] | None:
+    """Memory in use on each device (MiB, by index); None where nvidia-smi is not available."""
+    rows = _nvidia_smi("index,uuid,memory.used", devices)
+    return None if rows is None else {index: int(mib) for index, _uuid, mib in rows}
+
+
+def gpu_memory_bytes(devices: list[str]) -> list[int] | None:
+    """Each device's total memory in bytes; None where nvidia-smi is not available."""
+    rows = _nvidia_smi("memory.total", devices)
+    return None if rows is None else [int(mib) * 2**20 for (mib,) in rows]
 
 
 def host_gpu_ids() -> list[str]:

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import logging
 import math
-import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 
 from eagle3.config import ConfigError, VerifierConfig
-from eagle3.runtime.devices import host_gpu_ids, in_process_device
+from eagle3.runtime.devices import gpu_memory_bytes, host_gpu_ids, in_process_device
 from eagle3.verifier.loading import load_text_model, read_config, text_model_class
 
 if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, these only where a step runs
@@ -43,7 +42,6 @@ __all__ = [
     "Worker",
     "decoding_placement",
     "device_map",
-    "gpu_memory_bytes",
     "gpus_needed",
     "gpus_to_decode",
     "largest_unit",
@@ -149,22 +147,6 @@ def load_placed(path: Path, dtype: torch.dtype, device: str | torch.device, max_
     if max_memory is None:
         return load_text_model(path, dtype, device)
     return load_text_model(path, dtype, device, device_map=planned_device_map(path, dtype, max_memory))
-
-
-def gpu_memory_bytes(devices: list[str]) -> list[int] | None:
-    """Each device's total memory as the driver reports it (nvidia-smi), without creating a CUDA
-    context in this process; None where nvidia-smi is not available."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", ",".join(devices)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return [int(line.strip()) * 2**20 for line in out.strip().splitlines()]
 
 
 class Worker(BaseModel):

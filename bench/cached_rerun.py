@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny_run import ROOT, git_sha, make_inputs, run_args, run_cli, started_server
+from tiny_run import ROOT, git_sha, make_inputs, run_cli, started_server
+from tiny_runs import tiny_run_args
 
 HEAVY = ("torch", "transformers", "speculators", "openai", "pyarrow", "numpy")
 
@@ -73,7 +74,7 @@ def main() -> None:
         home, logs = work / "prefect", work / "logs"
         home.mkdir(exist_ok=True)
         logs.mkdir(exist_ok=True)
-        run = run_args(work / "store", *make_inputs(work))
+        run = tiny_run_args(work / "store", *make_inputs(work))
         load_before = os.getloadavg()
         imports = cold_import(args.repeats)
         with started_server(home, _free_port()) as api_url:

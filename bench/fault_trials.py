@@ -32,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny_run import git_sha, make_inputs, newest_run_record, run_args, run_cli, start_cli
+from tiny_run import git_sha, make_inputs, newest_run_record, run_cli, start_cli
+from tiny_runs import alive, descendants, tiny_run_args
 
 # phase -> (the log line that opens it, the delay after it to kill at: uniform in [low, high] s)
 PHASES = {
@@ -46,23 +47,6 @@ PHASES = {
 }
 SIGNALS = ("SIGKILL to the run", "SIGTERM to the run", "SIGTERM to the group")
 GONE_WITHIN_S = 10.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _descendants(pid: int) -> set[int]:
-    children = set()
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children |= {int(c) for c in (task / "children").read_text().split()}
-        except OSError:
-            continue
-    return children.union(*(_descendants(c) for c in children)) if children else set()
 
 
 def _server_pid(port: str) -> int | None:
@@ -125,7 +109,7 @@ def trial(n: int, phase: str, how: str, rng: random.Random, inputs: tuple[Path, 
     store, logs = work / f"store-{n}", work / "logs"
     marker, (low, high) = PHASES[phase]
     delay = rng.uniform(low, high)
-    args = run_args(store, *inputs)
+    args = tiny_run_args(store, *inputs)
     log = logs / f"trial-{n}-killed.log"
     run = start_cli(args, home, log)
     row = {"trial": n, "phase": phase, "signal": how, "delay_s": round(delay, 2)}
@@ -137,7 +121,7 @@ def trial(n: int, phase: str, how: str, rng: random.Random, inputs: tuple[Path, 
         time.sleep(delay)
         port = re.search(r"temporary Prefect server runs on http://127\.0\.0\.1:(\d+)", log.read_text(errors="replace"))
         server = _server_pid(port[1]) if port else None
-        started = _descendants(run.pid) | ({server} if server else set())
+        started = descendants(run.pid) | ({server} if server else set())
         killed_at = time.monotonic()
         if run.poll() is not None:
             row["killed"] = f"finished first (exit {run.returncode})"
@@ -155,10 +139,10 @@ def trial(n: int, phase: str, how: str, rng: random.Random, inputs: tuple[Path, 
             run.kill()
             code = run.wait()
         row |= {"exit": code, "exit_s": round(time.monotonic() - killed_at, 1)}
-        survivors = [pid for pid in started if _alive(pid)]
+        survivors = [pid for pid in started if alive(pid)]
         while survivors and time.monotonic() - killed_at < GONE_WITHIN_S:
             time.sleep(0.2)
-            survivors = [pid for pid in survivors if _alive(pid)]
+            survivors = [pid for pid in survivors if alive(pid)]
         row["outlived"] = len(survivors)
         for pid in survivors:  # the next trial must not share the CPUs with them
             os.kill(pid, signal.SIGKILL)
@@ -185,7 +169,7 @@ def main() -> None:
         home.mkdir(exist_ok=True)
         inputs = make_inputs(work)
         reference_store = work / "store-uninterrupted"
-        first = run_cli(run_args(reference_store, *inputs), home, work / "logs" / "uninterrupted.log")
+        first = run_cli(tiny_run_args(reference_store, *inputs), home, work / "logs" / "uninterrupted.log")
         if first.returncode != 0:
             raise RuntimeError(f"the uninterrupted run failed: {first.output[-3000:]}")
         reference = (reference_store, artifacts_by_kind(reference_store, newest_run_record(reference_store)))

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-__all__ = ["ROOT", "Finished", "git_sha", "make_inputs", "newest_run_record", "run_args", "run_cli", "start_cli", "started_server"]
+__all__ = ["ROOT", "Finished", "git_sha", "make_inputs", "newest_run_record", "run_cli", "start_cli", "started_server"]
 
 
 def make_inputs(work: Path) -> tuple[Path, Path]:
@@ -29,23 +29,6 @@ def make_inputs(work: Path) -> tuple[Path, Path]:
         sample = ROOT / "eagle3" / "data" / "sample_conversations.jsonl"
         conversations.write_text("".join(sample.read_text().splitlines(keepends=True)[:40]))
     return verifier, conversations
-
-
-def run_args(store: Path, verifier: Path, conversations: Path) -> list[str]:
-    return [
-        "run",
-        f"store_dir={store}",
-        f"verifier.path={verifier}",
-        f"dataset.path={conversations}",
-        "dataset.max_seq_len=256",
-        "extract.aux_layer_ids=[1,2,3]",
-        "vocab.draft_vocab_size=512",
-        "train.epochs=1",
-        "train.total_seq_len=512",
-        "evaluate.num_prompts=1",
-        "evaluate.max_new_tokens=8",
-        "evaluate.ks=[3]",
-    ]
 
 
 def _env(prefect_home: Path, api_url: str | None) -> dict[str, str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, SAMPLE
+from tiny_runs import tiny_run_args
 
 from eagle3.cli import main
 
@@ -22,19 +23,7 @@ from eagle3.cli import main
 @pytest.fixture
 def run_args(tiny_verifier, conversations, tmp_path):
     """`eagle3 run` of a tiny verifier; a test adds what it breaks (later overrides win)."""
-    return [
-        "run",
-        f"store_dir={tmp_path / 'store'}",
-        f"verifier.path={tiny_verifier}",
-        f"dataset.path={conversations}",
-        "dataset.max_seq_len=256",
-        "extract.aux_layer_ids=[1,2,3]",
-        "vocab.draft_vocab_size=512",
-        "train.epochs=1",
-        "evaluate.num_prompts=1",
-        "evaluate.max_new_tokens=8",
-        "evaluate.ks=[3]",
-    ]
+    return tiny_run_args(tmp_path / "store", tiny_verifier, conversations)
 
 
 def _refused(args: list[str], capsys) -> list[str]:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_runs import alive, descendants, tiny_run_args
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,24 +29,6 @@ def _wait_for(pattern: str, log: Path, run: subprocess.Popen, timeout_s: float) 
             raise AssertionError(f"no {pattern!r} in the run's output: {log.read_text()[-3000:]}")
         time.sleep(0.2)
     return match
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie waiting to be reaped (this container's init may never reap it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _descendants(pid: int) -> set[int]:
-    children = set()
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children |= {int(c) for c in (task / "children").read_text().split()}
-        except OSError:
-            continue
-    return children.union(*(_descendants(c) for c in children)) if children else set()
 
 
 def _server_pid(port: str, timeout_s: float = 30) -> int:
@@ -65,9 +48,9 @@ def _server_pid(port: str, timeout_s: float = 30) -> int:
 
 def _survivors(pids: set[int], within_s: float) -> set[int]:
     deadline = time.monotonic() + within_s
-    while (alive := {p for p in pids if _alive(p)}) and time.monotonic() < deadline:
+    while (living := {p for p in pids if alive(p)}) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return alive
+    return living
 
 
 @pytest.mark.timeout(400)
@@ -78,21 +61,7 @@ def test_a_signalled_run_and_every_process_it_started_are_gone_within_10_s(how, 
     log = tmp_path / "run.log"
     with open(log, "w") as out:
         run = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "eagle3.cli",
-                "run",
-                f"store_dir={tmp_path / 'store'}",
-                f"verifier.path={tiny_verifier}",
-                f"dataset.path={conversations}",
-                "dataset.max_seq_len=256",
-                "extract.aux_layer_ids=[1,2,3]",
-                "vocab.draft_vocab_size=512",
-                "train.epochs=1",
-                "evaluate.num_prompts=1",
-                "evaluate.max_new_tokens=8",
-            ],
+            [sys.executable, "-m", "eagle3.cli", *tiny_run_args(tmp_path / "store", tiny_verifier, conversations)],
             cwd=ROOT,
             env=env,
             stdout=out,
@@ -104,7 +73,7 @@ def test_a_signalled_run_and_every_process_it_started_are_gone_within_10_s(how, 
         port = _wait_for(r"(?:temporary Prefect server runs|Starting temporary server) on http://127\.0\.0\.1:(\d+)", log, run, 200)[1]
         server = _server_pid(port)
         _wait_for(r"Task run 'prepare-dataset-\w+' - Finished", log, run, 300)  # then extraction and training run
-        started = _descendants(run.pid) | {server}
+        started = descendants(run.pid) | {server}
 
         if how == "SIGTERM to the process group":
             os.killpg(run.pid, signal.SIGTERM)
@@ -124,5 +93,5 @@ def test_a_signalled_run_and_every_process_it_started_are_gone_within_10_s(how, 
     finally:
         run.kill()
         for pid in started:  # nothing the test started outlives it, whatever failed
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -12,9 +12,10 @@ and evaluation read the aux layers from it as from a hidden-states artifact.
 
 Cost, per epoch: one verifier prefill of every training and validation token (E epochs: E prefills,
 where offline extracts once and reads files E times; `train.online_buffer_gb` keeps some states in
-host memory from one epoch to the next), on the training GPU beside the draft. With the H100 figures
-in docs/scaling.md (prefill ~34k tok/s, training ~63k tok/s, extraction ~24.7k tok/s, bound by the
-disk) online takes 0.8x offline's time for 1 epoch, 1.25x for 2 and 1.55x for 3; it never needs the disk.
+host memory from one epoch to the next), on the training GPU beside the draft. With the rates in
+bench/results/ (8B shape: prefill 34.4k tok/s and extraction 24.7k tok/s, bound by the disk, on an
+H100; draft training 58.5k tok/s on an H200) online would take 0.80x offline's time for 1 epoch, 1.24x
+for 2 and 1.51x for 3 (estimated, not measured); it never needs the disk.
 """
 
 from __future__ import annotations

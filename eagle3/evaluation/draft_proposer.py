@@ -1,6 +1,12 @@
 """An exported speculators EAGLE-3 draft as a proposer for `eagle3.evaluation.speculative`'s
 decoding, run the way it was trained: step 0 from the verifier's aux hidden states, then its own
-outputs."""
+outputs.
+
+`Eagle3Proposer` runs each step eagerly on transformers' cache: what a CPU runs. On a GPU that is
+launch-bound (a draft step costs about 3 ms of Python and kernel launches, against 4.8 ms for a
+graphed pass of SmolLM2-135M: `bench/results/`), so `StaticEagle3Proposer` runs the same steps on
+fixed KV buffers and replays each round, all k steps and their argmaxes, as one CUDA graph, as
+`eagle3.verifier.forward.StaticForward` replays the verifier's passes."""
 
 from __future__ import annotations
 
@@ -8,9 +14,9 @@ import torch
 from transformers import DynamicCache
 
 from eagle3.verifier.capture import HiddenStateCapture
-from eagle3.verifier.forward import aux_states, drop_last
+from eagle3.verifier.forward import FixedCache, StaticForward, aux_states, capture_graph, drop_last
 
-__all__ = ["Eagle3Proposer", "draft_token_accuracy"]
+__all__ = ["Eagle3Proposer", "StaticEagle3Proposer", "draft_token_accuracy", "proposer_for"]
 
 
 class Eagle3Proposer:
@@ -92,27 +98,38 @@ class Eagle3Proposer:
     def _to_verifier_ids(self, draft_ids: torch.Tensor) -> list[int]:
         return (draft_ids + self.draft.d2t[draft_ids]).tolist()
 
+    def _chain(self, last_hidden, last_logits, k: int, extend) -> list[torch.Tensor]:
+        """The k drafted tokens (verifier ids, each a [1] tensor on the device) after step 0's output:
+        each chained step reads the token drafted before it and the state it came from; `extend(hidden,
+        step)` runs the layers over one more position."""
+        draft = self.draft
+        tokens = []
+        for step in range(k):
+            draft_id = last_logits[0, -1].argmax(-1, keepdim=True)
+            tokens.append(draft_id + draft.d2t[draft_id])
+            if step == k - 1:
+                break
+            hidden = torch.cat([draft.embed_tokens(tokens[-1][None]), last_hidden], dim=-1)
+            last_hidden, last_logits = self._head(extend(hidden, step))
+        return tokens
+
     @torch.inference_mode()
     def propose(self, context: list[int], k: int) -> list[int]:
-        draft = self.draft
         if self.aux:  # step 0 over the newly confirmed positions
             aux, self.aux = torch.cat(self.aux), []
             start = self.positions
             self.positions += aux.shape[0]
             assert self.positions == len(context) - 1, (self.positions, len(context))
             self.last = self._step_0(context[start + 1 :], aux, start, self.cache)[:, -1:]
-        n = self.positions
+        if self.last is None:
+            raise ValueError("propose needs the aux states of the prompt first (observe)")
+        n, device = self.positions, self.last.device
+
+        def extend(hidden, step):
+            return self._layers(hidden, None, torch.tensor([[n + 1 + step]], device=device), self.cache)
+
         last_hidden, last_logits = self._head(self.last)
-        proposal = []
-        for step in range(k):
-            [token] = self._to_verifier_ids(last_logits[0, -1].argmax(-1, keepdim=True))
-            proposal.append(token)
-            if step == k - 1:
-                break
-            embeds = draft.embed_tokens(torch.tensor([[token]], device=last_hidden.device))
-            hidden = torch.cat([embeds, last_hidden], dim=-1)
-            position_ids = torch.tensor([[n + 1 + step]], device=last_hidden.device)
-            last_hidden, last_logits = self._head(self._layers(hidden, None, position_ids, self.cache))
+        proposal = torch.cat(self._chain(last_hidden, last_logits, k, extend)).tolist()
         drop_last(self.cache, self.cache.get_seq_length() - n)  # the chained steps' entries
         return proposal
 
@@ -123,6 +140,92 @@ class Eagle3Proposer:
         verifier's aux states of sequence[:-1]."""
         _, logits = self._head(self._step_0(sequence[1:], aux, 0, None))
         return self._to_verifier_ids(logits[0].argmax(-1))
+
+
+class StaticEagle3Proposer(Eagle3Proposer):
+    """`Eagle3Proposer` on fixed KV buffers of `max_len` positions, each position's entries at its
+    own index (rotary position = index + 1, as step 0 places token x_{t+1} after x_t's states), every
+    query masked to the indices at or before its own. On CUDA (`graphs`) each round after a
+    sequence's first, whose step 0 runs over the whole prompt, replays a CUDA graph of the whole
+    round for its shape (tokens confirmed since the last round, k): step 0, the k - 1 chained
+    steps, their argmaxes and vocabulary mapping on the device, and the chained entries zeroed
+    again; the host reads the k tokens once. A replay runs the kernels the eager round runs."""
+
+    def __init__(self, draft, max_len: int, graphs: bool | None = None):
+        device = draft.fc.weight.device
+        self.graphs = device.type == "cuda" if graphs is None else graphs
+        self.static_cache = FixedCache(max_len)
+        self.columns = torch.arange(max_len, device=device)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        super().__init__(draft)
+
+    def reset(self) -> None:
+        super().reset()
+        self.cache = self.static_cache  # type: ignore[assignment]  # a transformers Cache, as DynamicCache is
+        self.static_cache.clear(0)
+
+    def _mask(self, positions: torch.Tensor) -> torch.Tensor:
+        dtype = self.draft.fc.weight.dtype
+        mask = torch.full((len(positions), len(self.columns)), torch.finfo(dtype).min, dtype=dtype, device=positions.device)
+        return mask.masked_fill_(self.columns[None, :] <= positions[:, None], 0.0)[None, None]  # [1, 1, q, max_len]
+
+    def _over(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The layers over `hidden` [1, q, 2H] at buffer `positions` [q]."""
+        self.static_cache.positions = positions
+        return self._layers(hidden, self._mask(positions), positions[None] + 1, self.static_cache)
+
+    def _round(self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+        """Step 0 over `tokens` [m] (each after the token whose aux states [m, 3, H] it reads) at
+        `positions` [m], then the chain: the k drafted tokens [k] (verifier ids). Nothing here
+        synchronizes with the host, so a round can be captured whole."""
+        draft = self.draft
+        features = aux.reshape(1, len(tokens), -1)
+        if draft.input_norm is not None:
+            features = draft.input_norm(features)
+        hidden = torch.cat([draft.embed_tokens(tokens[None]), draft.fc(features)], dim=-1)
+        n = positions[-1:] + 1  # the first chained step's position
+        last_hidden, last_logits = self._head(self._over(hidden, positions)[:, -1:])
+        drafted = torch.cat(self._chain(last_hidden, last_logits, k, lambda hidden, step: self._over(hidden, n + step)))
+        self.static_cache.clear_at(n + torch.arange(k - 1, device=n.device))  # the chained steps' entries
+        return drafted
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int) -> list[int]:
+        """Raises:
+        ValueError: no new aux states since the last round (each verifier pass brings some), or the
+            round would outgrow the `max_len` positions."""
+        if not self.aux:
+            raise ValueError("propose needs the aux states of the tokens confirmed since the last round")
+        aux, self.aux = torch.cat(self.aux), []
+        m, start = aux.shape[0], self.positions
+        self.positions += m
+        assert self.positions == len(context) - 1, (self.positions, len(context))
+        if self.positions + k - 1 > len(self.columns):
+            raise ValueError(f"a draft round at {self.positions} + {k - 1} positions outgrows the KV buffers of {len(self.columns)}")
+        device = self.columns.device
+        tokens, positions = torch.tensor(context[start + 1 :], device=device), self.columns[start : start + m]
+        if not (self.graphs and start):  # a sequence's first round (the prompt) has a length of its own: eager
+            return self._round(tokens, aux.to(device, self.draft.fc.weight.dtype), positions, k).tolist()
+        graph = self._graphs.get((m, k))
+        if graph is None:
+            inputs = {"tokens": tokens, "aux": aux.to(device, self.draft.fc.weight.dtype), "positions": positions.clone()}
+            captured, drafted = capture_graph(lambda: self._round(inputs["tokens"], inputs["aux"], inputs["positions"], k), self._pool)
+            graph = self._graphs[(m, k)] = (captured, inputs, drafted)
+        else:
+            graph[1]["tokens"].copy_(tokens)
+            graph[1]["aux"].copy_(aux)
+            graph[1]["positions"].copy_(positions)
+        graph[0].replay()
+        return graph[2].tolist()
+
+
+def proposer_for(draft, forward, max_len: int) -> Eagle3Proposer:
+    """The draft's proposer for decoding with `forward`: graphed beside a graphed verifier (a GPU),
+    else eager. `max_len`: the longest sequence decoded."""
+    if isinstance(forward, StaticForward) and forward.graphs:
+        return StaticEagle3Proposer(draft, max_len)
+    return Eagle3Proposer(draft)
 
 
 @torch.inference_mode()

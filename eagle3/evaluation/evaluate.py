@@ -18,7 +18,10 @@ takes them (tokens: accepted draft tokens plus one per verifier pass; passes), i
 to break tau down by kind of prompt or compare two drafts on the same prompts. Cost: len(ks)
 decodes per prompt, and one forward of the verifier and the draft over each greedy output. Each
 prompt's figures are appended to `done.jsonl` in the work dir as they finish (`eagle3.store.done_log`),
-so a run killed midway resumes at its first undecoded prompt.
+so a run killed midway resumes at its first undecoded prompt. On a GPU the verifier's passes and
+the draft's rounds replay as CUDA graphs (`eagle3.verifier.forward.StaticForward`,
+`eagle3.evaluation.draft_proposer.StaticEagle3Proposer`): tokens/s with the draft and without it
+are measured on the same graphed verifier, as speculative decoding serves.
 
 Backend `vllm` instead reads the same figures for the draft from a vLLM server that serves it
 (`eagle3.evaluation.served_acceptance`), at the server's k, without the baselines (so without the gain over
@@ -137,12 +140,13 @@ def _decode_prompts(
     all entries."""
     import torch
 
-    from eagle3.evaluation.draft_proposer import Eagle3Proposer, draft_token_accuracy
+    from eagle3.evaluation.draft_proposer import draft_token_accuracy, proposer_for
 
     on = DecodingModel.load(verifier, prompts, device, cfg.dtype, max_memory)
     capture = HiddenStateCapture(on.model.get_decoder(), hidden_states.aux_layer_ids)
-    draft = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, on.device, getattr(torch, cfg.dtype)))
     forward = on.forward(capture, cfg.max_new_tokens)
+    longest = max(map(len, on.prompts)) + cfg.max_new_tokens + max(cfg.ks)  # with a round's chained steps
+    draft = proposer_for(load_draft(checkpoint.path, verifier.path, on.device, getattr(torch, cfg.dtype)), forward, longest)
 
     def decode(i: int) -> dict:
         prompt, reference = on.prompts[i], references[i]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 import torch
 from transformers import Cache, DynamicCache
@@ -26,7 +26,17 @@ from eagle3.evaluation.speculative import greedy_decode, speculative_decode
 from eagle3.verifier.capture import HiddenStateCapture
 from eagle3.verifier.loading import text_config
 
-__all__ = ["DynamicForward", "StaticForward", "aux_states", "decodes_like_dynamic", "drop_last", "forward_for", "full_attention_only"]
+__all__ = [
+    "DynamicForward",
+    "FixedCache",
+    "StaticForward",
+    "aux_states",
+    "capture_graph",
+    "decodes_like_dynamic",
+    "drop_last",
+    "forward_for",
+    "full_attention_only",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +81,7 @@ class DynamicForward:
         drop_last(self.cache, n)
 
 
-class _FixedCache(Cache):
+class FixedCache(Cache):
     """K/V buffers of `max_len` positions per layer, written at `positions` (a device tensor the caller
     sets before each forward). It ignores the cache_kwargs a transformers version passes, so one
     code path serves them all; the caller's mask hides every position past the current pass."""
@@ -100,8 +110,34 @@ class _FixedCache(Cache):
         for buffer in (*self.keys.values(), *self.values.values()):
             buffer[:, :, start:].zero_()
 
+    def clear_at(self, positions: torch.Tensor) -> None:
+        """Zero the entries at `positions` (a device tensor): `clear` for positions known only on the device."""
+        for buffer in (*self.keys.values(), *self.values.values()):
+            buffer.index_fill_(2, positions, 0.0)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # read only where position_ids are missing (ours never are) or for masks (ours are given)
+
+
+def capture_graph(run, pool) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Record `run()` as a CUDA graph: (the graph, what the recorded call returned: tensors each replay
+    overwrites). A warm-up runs it for real first, on a side stream with host synchronization
+    forbidden: a layer that synchronizes (MoE routing by `nonzero`, say, or a `.item()`) cannot be
+    captured, and the warm-up raises on it before a capture could fail halfway."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    debug_mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode(debug_mode)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
 
 
 @dataclass
@@ -121,7 +157,7 @@ class StaticForward:
         self.model, self.capture = model, capture
         self.device = next(model.parameters()).device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.cache = _FixedCache(max_len)
+        self.cache = FixedCache(max_len)
         self.columns = torch.arange(max_len, device=self.device)
         self.dtype = next(model.parameters()).dtype
         self.length = 0
@@ -144,23 +180,8 @@ class StaticForward:
         return out.logits[0].argmax(-1), aux_states(self.capture)
 
     def _capture(self, ids: torch.Tensor, positions: torch.Tensor) -> _Graph:
-        """Capture the pass of `ids` at `positions`: the warm-up runs it for real (writing the same
-        K/V the replay writes), then the graph records it. A layer that synchronizes with the host
-        (MoE routing by `nonzero`, say) cannot be captured: the warm-up raises on it, before a
-        capture could fail halfway."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        debug_mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with torch.cuda.stream(stream):
-                self._pass(ids, positions)
-        finally:
-            torch.cuda.set_sync_debug_mode(debug_mode)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            argmax, aux = self._pass(ids, positions)
+        """Capture the pass of `ids` at `positions` (its warm-up writes the same K/V the replay writes)."""
+        graph, (argmax, aux) = capture_graph(lambda: self._pass(ids, positions), self._pool)
         return _Graph(graph, ids, positions, argmax, aux)
 
     def __call__(self, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:

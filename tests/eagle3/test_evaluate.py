@@ -16,7 +16,7 @@ from eagle3.data.prepare_dataset import prepare_dataset
 from eagle3.evaluation import baseline
 from eagle3.evaluation import evaluate as evaluate_module
 from eagle3.evaluation.baseline import DecodingModel, chat_prompts, measure_baselines, read_prompts
-from eagle3.evaluation.draft_proposer import Eagle3Proposer, draft_token_accuracy
+from eagle3.evaluation.draft_proposer import Eagle3Proposer, StaticEagle3Proposer, draft_token_accuracy
 from eagle3.evaluation.evaluate import EvalManifest, eval_prompts_source, evaluate, evaluation_provenance, load_draft
 from eagle3.evaluation.served_acceptance import read_spec_decode_counters
 from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculative_decode
@@ -91,7 +91,8 @@ def test_speculative_output_equals_plain_greedy_for_every_proposer(exported, ver
     hf = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, eos_token_id=None)[0, len(PROMPT) :]
 
     assert reference.tokens == hf.tolist()
-    for proposer in (draft, NgramProposer()):
+    static = StaticEagle3Proposer(draft.draft, len(PROMPT) + 40)
+    for proposer in (draft, static, NgramProposer()):
         for k in (1, 3, 5):
             run = speculative_decode(forward, proposer, PROMPT, 40, k, set())
             assert run.tokens == reference.tokens, (type(proposer).__name__, k)
@@ -174,6 +175,36 @@ def test_step_0_extended_round_by_round_proposes_what_step_0_over_the_whole_cont
         assert proposer.cache.get_seq_length() == confirmed  # the chained steps' entries are gone
         proposer.observe(aux[confirmed : confirmed + accepted + 1])
         confirmed += accepted + 1
+
+
+def test_the_draft_on_fixed_buffers_proposes_what_it_proposes_on_transformers_cache(exported, verifier_model):
+    """`StaticEagle3Proposer`'s rounds (eager here, as a GPU's graphs replay them) draft what
+    `Eagle3Proposer`'s draft, round after round with 1 to k + 1 tokens confirmed between them: the
+    fixed buffers, positions, mask and the zeroed chained entries change nothing but speed."""
+    _store, verifier, _hidden, checkpoint = exported
+    model, capture = verifier_model
+    draft = load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double()
+    sequence = PROMPT + greedy_decode(DynamicForward(model, capture), PROMPT, 24, set()).tokens
+    with torch.no_grad():
+        model(input_ids=torch.tensor([sequence]))
+    aux = capture.stacked()[0, :, :-1]
+    eager, static, confirmed = Eagle3Proposer(draft), StaticEagle3Proposer(draft, len(sequence) + 2), len(PROMPT)
+    assert not static.graphs  # on a CPU
+    for proposer in (eager, static):
+        proposer.observe(aux[:confirmed])
+
+    for accepted, k in [(0, 3), (3, 3), (0, 1), (1, 1), (2, 3), (0, 3), (3, 3), (1, 5)]:
+        context = sequence[: confirmed + 1]
+        assert static.propose(context, k) == eager.propose(context, k), confirmed
+        for proposer in (eager, static):
+            proposer.observe(aux[confirmed : confirmed + accepted + 1])
+        confirmed += accepted + 1
+    used = static.static_cache.keys[0][0, 0]  # [max_len, head_dim] of the first layer's first head
+    assert used[: static.positions].abs().sum(-1).gt(0).all() and not used[static.positions :].any()  # chained entries zeroed
+    short = StaticEagle3Proposer(draft, len(PROMPT) + 1)
+    short.observe(aux[: len(PROMPT)])
+    with pytest.raises(ValueError, match="outgrows the KV buffers"):
+        short.propose(sequence[: len(PROMPT) + 1], 3)
 
 
 def test_teacher_forced_first_tokens_are_the_proposals_and_the_training_step_0(exported, verifier_model):

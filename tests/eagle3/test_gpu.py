@@ -16,11 +16,12 @@ from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, Regenerate
 from eagle3.data.prepare_dataset import load_dataset_table, prepare_dataset, read_user_turns
 from eagle3.data.regenerate import RegenerateAttempt, _transformers_attempt, regenerate
 from eagle3.evaluation.baseline import DecodingModel
-from eagle3.evaluation.draft_proposer import Eagle3Proposer
+from eagle3.evaluation.draft_proposer import Eagle3Proposer, StaticEagle3Proposer, proposer_for
 from eagle3.evaluation.evaluate import load_draft
 from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculative_decode
 from eagle3.extraction.extract_hidden_states import ExtractAttempt, ShardWork, _extract_attempt, extract_hidden_states
 from eagle3.extraction.shards import hidden_state_files
+from eagle3.extraction.storage import decode
 from eagle3.runtime.attempts import fixed_devices
 from eagle3.serving.export import export_checkpoint
 from eagle3.store.artifacts import ArtifactStore
@@ -46,12 +47,13 @@ def steps(tiny_verifier, tmp_path_factory):
     return store, verifier, dataset
 
 
-def test_gpu_extraction_in_a_child_process_matches_cpu(steps, tmp_path):
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])  # fp8: quantized on the GPU before the copy
+def test_gpu_extraction_in_a_child_process_matches_cpu(steps, tmp_path, storage):
     _, verifier, dataset = steps
 
     # Separate stores: the device is not part of a shard's key, so one store would reuse the shards.
     gpu = extract_hidden_states(
-        ExtractConfig(aux_layer_ids=AUX, device="cuda"),
+        ExtractConfig(aux_layer_ids=AUX, device="cuda", storage=storage),
         dataset,
         verifier,
         ArtifactStore(tmp_path / "gpu"),
@@ -59,12 +61,14 @@ def test_gpu_extraction_in_a_child_process_matches_cpu(steps, tmp_path):
         claim=fixed_devices(["0"]),
     )
     cpu = extract_hidden_states(
-        ExtractConfig(aux_layer_ids=AUX, device="cpu"), dataset, verifier, ArtifactStore(tmp_path / "cpu"), Provenance()
+        ExtractConfig(aux_layer_ids=AUX, device="cpu", storage=storage), dataset, verifier, ArtifactStore(tmp_path / "cpu"), Provenance()
     )
 
     a, b = hidden_state_files(gpu), hidden_state_files(cpu)
+    assert gpu.storage == storage and len(a) == len(b) == dataset.num_records
+    tolerance = {"bf16": {"atol": 0.1, "rtol": 0.05}, "fp8": {"atol": 0.2, "rtol": 0.15}}[storage]  # e4m3 keeps 3 mantissa bits
     for i in a:
-        torch.testing.assert_close(load_file(a[i])["hidden_states"].float(), load_file(b[i])["hidden_states"].float(), atol=0.1, rtol=0.05)
+        torch.testing.assert_close(decode(load_file(a[i]), torch.float32), decode(load_file(b[i]), torch.float32), **tolerance)
 
 
 def test_gpu_regeneration_runs_in_a_child_process_and_reports_memory(steps, tmp_path):
@@ -110,12 +114,36 @@ def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_
         assert any((store.root / "compile-cache").rglob("*.py")), "torch.compile's cache is kept with the store"
     model = load_text_model(verifier.path, torch.float32, "cuda")
     capture = HiddenStateCapture(model.get_decoder(), AUX)
-    proposer = Eagle3Proposer(load_draft(checkpoint.path, verifier.path, torch.device("cuda")).float())
+    draft_model = load_draft(checkpoint.path, verifier.path, torch.device("cuda")).float()
     prompt = load_dataset_table(dataset).column("input_ids")[0].as_py()[:40]
     forward = forward_for(model, capture, len(prompt) + 32, prompt)
     reference = greedy_decode(forward, prompt, 32, set())
     assert isinstance(forward, StaticForward) and forward.graphs
-    assert speculative_decode(forward, proposer, prompt, 32, 3, set()).tokens == reference.tokens
+    graphed = proposer_for(draft_model, forward, len(prompt) + 32 + 5)
+    assert isinstance(graphed, StaticEagle3Proposer) and graphed.graphs
+    for proposer in (Eagle3Proposer(draft_model), graphed):
+        for k in (1, 3, 5):
+            assert speculative_decode(forward, proposer, prompt, 32, k, set()).tokens == reference.tokens
+
+    # A replayed round drafts what the same round run eagerly drafts, round after round.
+    eager = StaticEagle3Proposer(draft_model, len(prompt) + 40, graphs=False)
+    drafted = {}
+    for proposer in (graphed, eager):
+        forward.reset()
+        proposer.reset()
+        argmax, aux = forward(prompt)
+        proposer.observe(aux)
+        context, rounds = [*prompt, argmax[-1]], []
+        for k in (3, 3, 1, 5, 3, 3):
+            rounds.append(proposer.propose(context, k))
+            argmax, aux = forward([context[-1], *rounds[-1]])
+            accepted = next((i for i, (a, b) in enumerate(zip(rounds[-1], argmax)) if a != b), len(rounds[-1]))
+            forward.rollback(len(rounds[-1]) - accepted)
+            proposer.observe(aux[: accepted + 1])
+            context += [*rounds[-1][:accepted], argmax[accepted]]
+        drafted[proposer] = rounds
+    assert drafted[graphed] == drafted[eager]
+    assert graphed._graphs, "rounds after the first replay graphs"
 
 
 def test_cuda_graph_replays_compute_what_eager_passes_compute(tiny_verifier):

@@ -1,0 +1,228 @@
+"""What a draft round costs, eager against replayed as a CUDA graph, beside the verifier's passes.
+
+    python bench/draft_speed.py --tau 2.554                    # one GPU: SmolLM2-135M's shape, random weights
+    python bench/draft_speed.py --num-prompts 2 --max-new-tokens 16 --verifier-layers 8   # CPU smoke run
+
+A random-weight verifier of SmolLM2-135M-Instruct's shape (30 layers, H 576, vocab 49152; the
+tests' byte-level ChatML tokenizer) and a random-weight EAGLE-3 draft over it (speculators'
+`Eagle3DraftModel`, `--draft-layers`, `--draft-vocab`) decode the package's sample eval prompts on
+the verifier's fastest forward (`eagle3.verifier.forward.forward_for`: CUDA graphs on a GPU):
+plainly greedy, then speculatively at k with each proposer of `eagle3.evaluation.draft_proposer`:
+`eager` (`Eagle3Proposer`, every step launched from Python) and `static` (`StaticEagle3Proposer`:
+fixed KV buffers; on a GPU each round replayed as one CUDA graph). Each decodes one prompt untimed
+first (warm-up, graph captures); every output must equal plain greedy's.
+
+The draft is untrained, so nearly every drafted token is rejected: the row's own tokens/s is not a
+trained draft's. What it measures is the cost of a round (the draft's k steps, timed from the call
+to the proposer to the k tokens on the host) and of the verifier's (k + 1)-token pass; `--tau T`
+adds what those costs give a draft whose measured tau is T (tokens per round), T / (round +
+pass), against plain greedy's one token per 1-token pass: a projection from measured costs, not
+a measured speed. Pass and round times leave each prompt's first pass out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from tiny_models import tiny_tokenizer
+
+from eagle3.config import EvalConfig, VerifierConfig
+from eagle3.evaluation.baseline import DecodingModel, chat_prompts, device_name, read_prompts
+from eagle3.evaluation.draft_proposer import Eagle3Proposer, StaticEagle3Proposer
+from eagle3.evaluation.evaluate import eval_prompts_source
+from eagle3.evaluation.speculative import greedy_decode, speculative_decode
+from eagle3.extraction.extract_hidden_states import resolve_aux_layer_ids
+from eagle3.store.artifacts import ArtifactStore
+from eagle3.verifier.capture import HiddenStateCapture
+from eagle3.verifier.resolve_verifier import resolve_verifier
+
+VOCAB = 49152
+
+
+def random_verifier(out: Path, layers: int) -> Path:
+    """SmolLM2-135M-Instruct's shape with random weights (untied head: speculators reads it from the files)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+def random_draft(verifier: Path, aux: list[int], layers: int, draft_vocab: int):
+    """A speculators EAGLE-3 draft with random weights; its vocabulary: the verifier's first `draft_vocab` ids."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    layer_config = transformers.AutoConfig.from_pretrained(verifier)
+    layer_config.num_hidden_layers = layers
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    return Eagle3DraftModel.from_training_args(
+        layer_config,
+        t2d=t2d,
+        d2t=torch.zeros(draft_vocab, dtype=torch.long),
+        num_layers=layers,
+        norm_before_residual=True,
+        ttt_steps=3,
+        verifier_name_or_path=str(verifier),
+        draft_vocab_size=draft_vocab,
+        target_layer_ids=aux,
+        draft_attn_impl="sdpa",
+    )
+
+
+class Timed:
+    """`inner` (a verifier forward or a proposer) with the wall seconds of each call of its `method`
+    recorded beside the call's first argument's length: each returns host lists, so its device work
+    is done when it returns."""
+
+    def __init__(self, inner, method: str):
+        self.inner, self.method = inner, method
+        self.calls: list[tuple[int, float]] = []
+
+    def _timed(self, first, *args):
+        start = time.perf_counter()
+        out = getattr(self.inner, self.method)(first, *args)
+        self.calls.append((len(first), time.perf_counter() - start))
+        return out
+
+    def __call__(self, *args):
+        return self._timed(*args)
+
+    def propose(self, *args):
+        return self._timed(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def mean_ms(self, longest: int | None = None) -> float:
+        """Mean milliseconds a call, of the calls whose first argument is at most `longest` long
+        (a forward's: leaves the prompts' passes out)."""
+        times = [seconds for length, seconds in self.calls if longest is None or length <= longest]
+        return 1e3 * sum(times) / len(times)
+
+
+def decode(forward, proposer, prompts: list[list[int]], max_new_tokens: int, k: int, eos_ids: set[int]) -> dict:
+    """Speculative decodes of `prompts` (greedy where `proposer` is None): outputs, tokens/s, tau, ms
+    per round and per verifier pass after the prompt's."""
+    timed_forward = Timed(forward, "__call__")
+    if proposer is None:
+        runs = [greedy_decode(timed_forward, p, max_new_tokens, eos_ids) for p in prompts]
+    else:
+        timed_proposer = Timed(proposer, "propose")
+        runs = [speculative_decode(timed_forward, timed_proposer, p, max_new_tokens, k, eos_ids) for p in prompts]
+    tokens = sum(len(r.tokens) for r in runs)
+    row = {
+        "outputs": [r.tokens for r in runs],
+        "tokens_per_s": tokens / sum(r.seconds for r in runs),  # the prompts' passes included, as evaluation counts
+        "pass_ms": timed_forward.mean_ms(longest=1 if proposer is None else k + 1),
+    }
+    if proposer is not None:
+        row["tau"] = (tokens - len(runs)) / sum(r.verifier_passes for r in runs)  # a decode's first token: the prompt's pass
+        row["round_ms"] = timed_proposer.mean_ms()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--verifier-layers", type=int, default=30)
+    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--draft-vocab", type=int, default=16384)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tau", type=float, help="project tokens/s for a trained draft of this measured tau")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = random_verifier(Path(tmp) / "verifier", args.verifier_layers)
+        verifier = resolve_verifier(VerifierConfig(path=str(path)), ArtifactStore(Path(tmp) / "store"))
+        source = eval_prompts_source(EvalConfig())
+        prompts = chat_prompts(verifier, read_prompts(source, args.num_prompts + 1), source)
+        on = DecodingModel.load(verifier, prompts, "auto", args.dtype)
+        aux = resolve_aux_layer_ids(None, verifier.num_hidden_layers, verifier.path)
+        draft = random_draft(verifier.path, aux, args.draft_layers, args.draft_vocab).to(on.device, getattr(torch, args.dtype)).eval()
+    capture = HiddenStateCapture(on.model.get_decoder(), aux)
+    max_len = max(map(len, on.prompts)) + args.max_new_tokens + args.k
+    forward = on.forward(capture, args.max_new_tokens)
+    warm_up, timed = on.prompts[:1], on.prompts[1:]
+
+    decode(forward, None, warm_up, args.max_new_tokens, args.k, on.eos_ids)
+    rows = {"greedy": decode(forward, None, timed, args.max_new_tokens, args.k, on.eos_ids)}
+    proposers = {"eager": Eagle3Proposer(draft), "static": StaticEagle3Proposer(draft, max_len)}
+    for name, proposer in proposers.items():
+        decode(forward, proposer, warm_up, args.max_new_tokens, args.k, on.eos_ids)
+        rows[name] = decode(forward, proposer, timed, args.max_new_tokens, args.k, on.eos_ids)
+        rows[name]["outputs_equal_greedy"] = rows[name]["outputs"] == rows["greedy"]["outputs"]
+        if args.tau:
+            rows[name]["projected_tokens_per_s"] = 1e3 * args.tau / (rows[name]["round_ms"] + rows[name]["pass_ms"])
+            rows[name]["projected_over_greedy"] = rows[name]["projected_tokens_per_s"] / rows["greedy"]["tokens_per_s"]
+    capture.close()
+
+    static_kind = "CUDA graphs" if proposers["static"].graphs else "eager"
+    print(
+        f"{device_name(on.device)}; verifier: {getattr(forward, 'kind', type(forward).__name__)}, {args.verifier_layers} layers "
+        f"x H576, random weights; draft: {args.draft_layers} layers, vocab {args.draft_vocab}, random weights; "
+        f"{len(timed)} prompts x {args.max_new_tokens} tokens, k={args.k}, {args.dtype}"
+    )
+    print(
+        f"{'':<8} {'tok/s':>8} {'tau':>6} {'round ms':>9} {'pass ms':>8} {'= greedy':>9}"
+        + (f" {'at tau ' + str(args.tau):>14}" if args.tau else "")
+    )
+    for name, row in rows.items():
+        line = f"{name:<8} {row['tokens_per_s']:>8.1f} {row.get('tau', 1.0):>6.3f} {row.get('round_ms', 0.0):>9.2f} {row['pass_ms']:>8.2f}"
+        line += f" {row.get('outputs_equal_greedy', True)!s:>9}"
+        if args.tau and name != "greedy":
+            line += f" {row['projected_tokens_per_s']:>7.1f} tok/s, {row['projected_over_greedy']:.2f}x greedy"
+        print(line)
+    print(f"static rounds: {static_kind}")
+    summary = {
+        "device": device_name(on.device),
+        "verifier_forward": getattr(forward, "kind", type(forward).__name__),
+        "static_rounds": static_kind,
+        "verifier_layers": args.verifier_layers,
+        "draft_layers": args.draft_layers,
+        "draft_vocab": args.draft_vocab,
+        "num_prompts": len(timed),
+        "max_new_tokens": args.max_new_tokens,
+        "k": args.k,
+        "dtype": args.dtype,
+        "tau_for_projection": args.tau,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "rows": {name: {key: value for key, value in row.items() if key != "outputs"} for name, row in rows.items()},
+    }
+    print(json.dumps(summary))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    if not all(row.get("outputs_equal_greedy", True) for row in rows.values()):
+        sys.exit("speculative outputs differ from plain greedy decoding")
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,9 @@ Measures, on the same random-weight verifier and the same packed data:
 - `compute`: forward passes with the hidden-state hooks only (tokens/s, model FLOPs utilisation
   = 2 x params x tokens / time / measured bf16 matmul peak);
 - `pipeline`: `eagle3.extraction.extract_hidden_states` end to end (device-to-host copy, safetensors
-  writes, verification), minus the verifier load time measured separately;
+  writes, verification), minus the verifier load time measured separately; then the same with
+  `extract.storage=fp8` (states quantized on the GPU before the copy), with the bytes a token
+  takes on disk for each precision;
 - each stage alone, as tokens/s: the device-to-host copy into a reused pinned buffer, and the file
   writes (serialize, sha256, atomic write with fsync, 8 threads): the pipeline overlaps all three,
   so its rate is set by the slowest (`pipeline / slowest stage alone`, the target is >= 0.9);
@@ -183,6 +185,20 @@ def naive(model, aux, ids: list[list[int]], out: Path) -> float:
     return sum(map(len, ids)) / elapsed
 
 
+def extract(args, aux: list[int], dataset: DatasetManifest, verifier: VerifierManifest, store: Path, storage: str):
+    """The extraction step end to end in its own store: (manifest, seconds, bytes of state files);
+    the store is removed afterwards (the default size writes 13 GB in bf16)."""
+    cfg = ExtractConfig(
+        aux_layer_ids=aux, records_per_shard=args.samples, device="cuda", prefill_batch_tokens=args.prefill_batch_tokens, storage=storage
+    )
+    start = time.perf_counter()
+    manifest = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(store), Provenance())
+    seconds = time.perf_counter() - start
+    state_bytes = sum(f.stat().st_size for f in store.rglob("hs_*.safetensors"))
+    shutil.rmtree(store)
+    return manifest, seconds, state_bytes
+
+
 def disk_write_gbps(out: Path, total_gb: float = 2.0, file_mb: int = 64) -> float:
     out.mkdir(parents=True)
     tensor = torch.randn(file_mb * 2**20 // 2, dtype=torch.bfloat16)
@@ -234,11 +250,10 @@ def run(args, root: Path) -> None:
     del model
     torch.cuda.empty_cache()
 
-    cfg = ExtractConfig(aux_layer_ids=aux, records_per_shard=args.samples, device="cuda", prefill_batch_tokens=args.prefill_batch_tokens)
-    start = time.perf_counter()
-    manifest = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(root / "store"), Provenance())
-    pipeline_s = time.perf_counter() - start
+    runs = {storage: extract(args, aux, dataset, verifier, root / f"store-{storage}", storage) for storage in ("bf16", "fp8")}
+    (manifest, pipeline_s, disk_bytes), (fp8_manifest, fp8_s, fp8_bytes) = runs["bf16"], runs["fp8"]
     pipeline_tps = tokens / (pipeline_s - load_s)  # the step loads the verifier again: not extraction time
+    fp8_tps = tokens / (fp8_s - load_s)
     disk = disk_write_gbps(root / "disk")
     bytes_per_token = 4 * 4096 * 2
 
@@ -278,7 +293,11 @@ def run(args, root: Path) -> None:
         "hidden_state_gb_s_needed_at_compute_rate": compute_tps * bytes_per_token / 1e9,
         "disk_write_gb_s": disk,
         "tokens": tokens,
-        "backoffs": len(manifest.backoffs),
+        "backoffs": len(manifest.backoffs) + len(fp8_manifest.backoffs),
+        "fp8_pipeline_tok_s": fp8_tps,
+        "fp8_pipeline_vs_compute": fp8_tps / compute_tps,
+        "fp8_over_bf16_tok_s": fp8_tps / pipeline_tps,
+        "disk_bytes_per_token": {"bf16": disk_bytes / tokens, "fp8": fp8_bytes / tokens},
     }
     rows = [
         ("bf16 matmul peak", f"{peak:.0f} TFLOP/s"),
@@ -287,7 +306,9 @@ def run(args, root: Path) -> None:
         ("naive one-at-a-time", f"{naive_tps:,.0f} tok/s"),
         ("copy only (pinned, async)", f"{copy_tps:,.0f} tok/s"),
         ("file writes only (8 threads, synced)", f"{write_tps:,.0f} tok/s"),
-        ("pipeline / compute", f"{result['pipeline_vs_compute']:.2f}"),
+        ("pipeline, fp8 storage", f"{fp8_tps:,.0f} tok/s  {result['fp8_over_bf16_tok_s']:.2f}x bf16"),
+        ("pipeline / compute", f"{result['pipeline_vs_compute']:.2f} (fp8 {result['fp8_pipeline_vs_compute']:.2f})"),
+        ("bytes a token on disk, bf16 / fp8", f"{disk_bytes / tokens:,.0f} / {fp8_bytes / tokens:,.0f}"),
         ("pipeline / slowest stage alone", f"{result['pipeline_vs_slowest_stage']:.2f}"),
         ("pipeline / naive", f"{result['pipeline_vs_naive']:.2f}x"),
         (

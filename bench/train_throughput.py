@@ -1,7 +1,9 @@
-"""Draft-training throughput on one GPU: the pipeline's training step against speculators' own CLI entry.
+"""Draft-training throughput on one GPU: the pipeline's training step against speculators' own CLI entry,
+and against training on online states.
 
     python bench/train_throughput.py                    # Llama-3.1-8B width, 4 layers, random weights
     python bench/train_throughput.py --samples 16 --epochs 1   # a quick smoke run
+    python bench/train_throughput.py --layers 32 --sides pipeline online   # offline against online, 8B verifier
 
 Both sides train the same EAGLE-3 draft (1 layer, draft vocab 32000, 3 TTT steps, flex attention,
 fused loss, 8192-token batches) on the same hidden states, extracted once by the pipeline from a
@@ -9,6 +11,12 @@ random-weight verifier of Llama-3.1-8B width (H 4096, vocab 128256; its depth do
 draft's cost):
 - `pipeline`: `eagle3.training.train.train_draft` as the flow runs it: data directory, `torchrun` worker,
   metrics log, progress, export of the last checkpoint, curves;
+- `online`: the same step with `train.hidden_states=online` (`eagle3.training.online`): the verifier,
+  loaded in the training process on the same GPU, prefills each batch's states as the trainer asks
+  for them, none kept from one epoch to the next (`online_buffer_gb` 0, the default). Its per-step
+  rate includes those prefills (speculators' step timer counts the batch fetch); the verifier's depth
+  sets their cost, so compare it with `--layers 32` (the whole 8B verifier). Its store is separate,
+  and the bytes of hidden-state files in it afterwards are reported (the target is 0);
 - `direct`: `speculators.train.cli.main` under `torchrun` with the same speculators settings
   (`eagle3.training.train_worker.speculators_train_config`) and the same vocab mapping files, plus the one fix
   torch 2.11 needs (`trainer_compat.trainer_class`).
@@ -45,6 +53,7 @@ from eagle3.runtime.attempts import fixed_devices
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.manifests import Provenance
 from eagle3.training import trainer_compat
+from eagle3.training.online import online_states, online_states_provenance
 from eagle3.training.train import _speculators_data_dir, train_draft
 from eagle3.training.train_timing import median_tokens_per_s, time_breakdown
 from eagle3.training.train_worker import TrainSpec, _collect_metrics, speculators_train_config
@@ -52,6 +61,7 @@ from eagle3.training.vocab_mapping import build_vocab_mapping, load_vocab_mappin
 from eagle3.verifier.resolve_verifier import VerifierManifest
 
 VOCAB = 128256
+SIDES = ("pipeline", "direct", "online")
 
 
 def build_verifier(root: Path, layers: int) -> VerifierManifest:
@@ -166,6 +176,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--total-seq-len", type=int, default=8192)
     parser.add_argument("--draft-vocab-size", type=int, default=32000)
+    parser.add_argument(
+        "--sides", nargs="+", choices=SIDES, default=["pipeline", "direct"], help="what to train (the first is the reference)"
+    )
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the JSON result here")
     parser.add_argument("--direct-worker", type=Path, help=argparse.SUPPRESS)
@@ -178,23 +191,83 @@ def main() -> None:
     verifier = build_verifier(root / "verifier", args.layers)
     dataset = build_dataset(root / "dataset", args.samples, args.seq_len)
     aux = [1, args.layers // 2, args.layers - 1]
-    hidden = extract_hidden_states(
-        ExtractConfig(aux_layer_ids=aux, device="cuda"), dataset, verifier, store, Provenance(), claim=fixed_devices(["0"])
-    )
+    extract = ExtractConfig(aux_layer_ids=aux, device="cuda")
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=args.draft_vocab_size), dataset, VOCAB, store, Provenance())
     cfg = TrainConfig(epochs=args.epochs, total_seq_len=args.total_seq_len, device="cuda")
+    hidden = None
+    if {"pipeline", "direct"} & set(args.sides):
+        hidden = extract_hidden_states(extract, dataset, verifier, store, Provenance(), claim=fixed_devices(["0"]))
 
-    start = time.perf_counter()
-    with PeakMemory() as pipeline_memory:
-        draft = train_draft(cfg, dataset, hidden, vocab, verifier, store, Provenance(), claim=fixed_devices(["0"]))
-    pipeline_s = time.perf_counter() - start
+    rows = {}
+    for side in args.sides:
+        if side == "pipeline":
+            rows[side] = train_pipeline(cfg, dataset, hidden, vocab, verifier, store)
+        elif side == "online":
+            online_store = ArtifactStore(root / "online-store")
+            states = online_states(
+                extract, dataset, verifier, online_store, online_states_provenance(online_store, extract, dataset, verifier)
+            )
+            rows[side] = train_pipeline(cfg, dataset, states, vocab, verifier, online_store)
+            rows[side]["hidden_state_bytes_on_disk"] = sum(f.stat().st_size for f in online_store.root.rglob("hs_*.safetensors"))
+        else:
+            rows[side] = train_direct(args, cfg, dataset, hidden, vocab, verifier, root / "direct", aux)
+        print(f"{side}: {rows[side]}", flush=True)
+
+    reference = args.sides[0]
+    result = {
+        "device": subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"], capture_output=True, text=True
+        ).stdout.strip(),
+        "torch": torch.__version__,
+        "shape": {
+            "verifier_layers": args.layers,
+            "hidden": 4096,
+            "verifier_vocab": VOCAB,
+            "draft_vocab": args.draft_vocab_size,
+            "samples": args.samples,
+            "seq_len": args.seq_len,
+            "epochs": args.epochs,
+            "total_seq_len": args.total_seq_len,
+        },
+        **rows,
+        "tokens_per_s_over_reference": {side: rows[side]["tokens_per_s"] / rows[reference]["tokens_per_s"] for side in args.sides},
+        "reference": reference,
+    }
     print(
-        f"pipeline: {draft.tokens_per_s:,.0f} tok/s/GPU, {draft.num_steps} steps, {pipeline_s:.1f} s, "
-        f"peak {pipeline_memory.peak:,} MiB; seconds by phase {draft.time_breakdown_s}",
-        flush=True,
+        f"{result['device']}: draft for a {args.layers}-layer verifier of H4096 / vocab {VOCAB}, draft vocab "
+        f"{args.draft_vocab_size}, {args.samples} x {args.seq_len} tokens, {args.epochs} epochs, batches of {args.total_seq_len} tokens"
     )
+    print(f"  {'':<10} {'tok/s/GPU':>10} {'/ ' + reference:>12} {'steps':>6} {'wall s':>8} {'peak MiB':>9}")
+    for side in args.sides:
+        row = rows[side]
+        ratio = result["tokens_per_s_over_reference"][side]
+        print(
+            f"  {side:<10} {row['tokens_per_s']:>10,.0f} {ratio:>12.3f} {row['steps']:>6} {row['wall_s']:>8.1f} {row['peak_memory_mib']:>9,}"
+        )
+    for side in args.sides:
+        print(f"  {side} seconds by phase: {rows[side]['seconds_by_phase']}")
+    if "online" in rows:
+        print(f"  online: hidden-state bytes on disk afterwards: {rows['online']['hidden_state_bytes_on_disk']:,}")
+    line = json.dumps(result)
+    print(line)
+    if args.json:
+        Path(args.json).write_text(line + "\n")
 
-    work = root / "direct"
+
+def train_pipeline(cfg, dataset, hidden_states, vocab, verifier, store) -> dict:
+    start = time.perf_counter()
+    with PeakMemory() as memory:
+        draft = train_draft(cfg, dataset, hidden_states, vocab, verifier, store, Provenance(), claim=fixed_devices(["0"]))
+    return {
+        "tokens_per_s": draft.tokens_per_s,
+        "steps": draft.num_steps,
+        "wall_s": time.perf_counter() - start,
+        "peak_memory_mib": memory.peak,
+        "seconds_by_phase": draft.time_breakdown_s,
+    }
+
+
+def train_direct(args, cfg, dataset, hidden, vocab, verifier, work: Path, aux: list[int]) -> dict:
     work.mkdir()
     _speculators_data_dir(work, dataset, hidden)
     spec = TrainSpec(
@@ -209,7 +282,7 @@ def main() -> None:
     )
     (work / "spec.json").write_text(spec.model_dump_json())
     start, started_at = time.perf_counter(), time.time()
-    with PeakMemory() as direct_memory:
+    with PeakMemory() as memory:
         subprocess.run(
             [
                 sys.executable,
@@ -224,55 +297,13 @@ def main() -> None:
             check=True,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
         )
-    direct_s = time.perf_counter() - start
-    direct_tps = median_tokens_per_s(spec.timing_log)
-    direct_steps = sum(1 for line in spec.metrics_log.read_text().splitlines() if "train" in json.loads(line))
-
-    result = {
-        "device": subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"], capture_output=True, text=True
-        ).stdout.strip(),
-        "torch": torch.__version__,
-        "shape": {
-            "hidden": 4096,
-            "verifier_vocab": VOCAB,
-            "draft_vocab": args.draft_vocab_size,
-            "samples": args.samples,
-            "seq_len": args.seq_len,
-            "epochs": args.epochs,
-            "total_seq_len": args.total_seq_len,
-        },
-        "pipeline": {
-            "tokens_per_s": draft.tokens_per_s,
-            "steps": draft.num_steps,
-            "wall_s": pipeline_s,
-            "peak_memory_mib": pipeline_memory.peak,
-            "seconds_by_phase": draft.time_breakdown_s,
-        },
-        "direct": {
-            "tokens_per_s": direct_tps,
-            "steps": direct_steps,
-            "wall_s": direct_s,
-            "peak_memory_mib": direct_memory.peak,
-            "seconds_by_phase": time_breakdown(spec.timing_log, started_at, time.time()),
-        },
-        "pipeline_over_direct_tokens_per_s": draft.tokens_per_s / direct_tps,
+    return {
+        "tokens_per_s": median_tokens_per_s(spec.timing_log),
+        "steps": sum(1 for line in spec.metrics_log.read_text().splitlines() if "train" in json.loads(line)),
+        "wall_s": time.perf_counter() - start,
+        "peak_memory_mib": memory.peak,
+        "seconds_by_phase": time_breakdown(spec.timing_log, started_at, time.time()),
     }
-    print(
-        f"{result['device']}: draft for H4096 / vocab {VOCAB}, draft vocab {args.draft_vocab_size}, "
-        f"{args.samples} x {args.seq_len} tokens, {args.epochs} epochs, batches of {args.total_seq_len} tokens"
-    )
-    print(f"  {'':<10} {'tok/s/GPU':>10} {'steps':>6} {'wall s':>8} {'peak MiB':>9}")
-    for name in ("pipeline", "direct"):
-        row = result[name]
-        print(f"  {name:<10} {row['tokens_per_s']:>10,.0f} {row['steps']:>6} {row['wall_s']:>8.1f} {row['peak_memory_mib']:>9,}")
-    print(f"  pipeline / direct tokens/s: {result['pipeline_over_direct_tokens_per_s']:.3f}")
-    for name in ("pipeline", "direct"):
-        print(f"  {name} seconds by phase: {result[name]['seconds_by_phase']}")
-    line = json.dumps(result)
-    print(line)
-    if args.json:
-        Path(args.json).write_text(line + "\n")
 
 
 if __name__ == "__main__":

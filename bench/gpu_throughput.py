@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.config import ExtractConfig
 from eagle3.data.prepare_dataset import DatasetManifest
-from eagle3.extraction.extract_hidden_states import _batches, extract_hidden_states
+from eagle3.extraction.extract_hidden_states import extract_hidden_states, prefill_batches
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.manifests import Provenance
 from eagle3.verifier.capture import HiddenStateCapture
@@ -123,7 +123,7 @@ def compute_only(model, aux, ids: list[list[int]], budget: int) -> float:
     decoder = model.get_decoder()
     capture = HiddenStateCapture(decoder, aux)
     lengths = {i: len(x) for i, x in enumerate(ids)}
-    batches = _batches(list(lengths), lengths, budget)
+    batches = prefill_batches(list(lengths), lengths, budget)
     run = lambda batch: decoder(input_ids=torch.tensor([ids[i] for i in batch], device="cuda"), use_cache=False)  # noqa: E731
     run(batches[0])
     start = _sync_time()
@@ -244,9 +244,11 @@ def run(args, root: Path) -> None:
     compute_tps, last_states = compute_only(model, aux, ids, args.prefill_batch_tokens)
     copy_tps = copy_only_tok_s(last_states)
     write_tps = write_only_tok_s(last_states, root / "write-only")
+    shutil.rmtree(root / "write-only")  # every stage's files go once measured: the disk must hold the next one's
     batch_tokens = last_states.shape[0] * last_states.shape[1]
     del last_states
     naive_tps = naive(model, aux, ids, root / "naive")
+    shutil.rmtree(root / "naive")
     del model
     torch.cuda.empty_cache()
 

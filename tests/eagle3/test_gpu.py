@@ -129,21 +129,27 @@ def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_
     eager = StaticEagle3Proposer(draft_model, len(prompt) + 40, graphs=False)
     drafted = {}
     for proposer in (graphed, eager):
-        forward.reset()
-        proposer.reset()
-        argmax, aux = forward(prompt)
-        proposer.observe(aux)
-        context, rounds = [*prompt, argmax[-1]], []
-        for k in (3, 3, 1, 5, 3, 3):
-            rounds.append(proposer.propose(context, k))
-            argmax, aux = forward([context[-1], *rounds[-1]])
-            accepted = next((i for i, (a, b) in enumerate(zip(rounds[-1], argmax)) if a != b), len(rounds[-1]))
-            forward.rollback(len(rounds[-1]) - accepted)
-            proposer.observe(aux[: accepted + 1])
-            context += [*rounds[-1][:accepted], argmax[accepted]]
-        drafted[proposer] = rounds
+        with torch.inference_mode():  # as decoding runs: the buffers are inference tensors
+            drafted[proposer] = _rounds(forward, proposer, prompt)
     assert drafted[graphed] == drafted[eager]
     assert graphed._graphs, "rounds after the first replay graphs"
+
+
+def _rounds(forward, proposer, prompt: list[int]) -> list[list[int]]:
+    """The drafts of six rounds of speculative decoding of `prompt` (the verifier's acceptance decides each next round)."""
+    forward.reset()
+    proposer.reset()
+    argmax, aux = forward(prompt)
+    proposer.observe(aux)
+    context, rounds = [*prompt, argmax[-1]], []
+    for k in (3, 3, 1, 5, 3, 3):
+        rounds.append(proposer.propose(context, k))
+        argmax, aux = forward([context[-1], *rounds[-1]])
+        accepted = next((i for i, (a, b) in enumerate(zip(rounds[-1], argmax)) if a != b), len(rounds[-1]))
+        forward.rollback(len(rounds[-1]) - accepted)
+        proposer.observe(aux[: accepted + 1])
+        context += [*rounds[-1][:accepted], argmax[accepted]]
+    return rounds
 
 
 def test_cuda_graph_replays_compute_what_eager_passes_compute(tiny_verifier):

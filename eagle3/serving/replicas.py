@@ -14,7 +14,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from eagle3.config import EndpointConfig
 from eagle3.serving.endpoint import EndpointError, open_client
@@ -22,14 +22,20 @@ from eagle3.serving.endpoint import EndpointError, open_client
 if TYPE_CHECKING:  # openai is imported where a request is sent, not where this module is loaded
     import openai
 
-    Server = tuple[EndpointConfig, openai.OpenAI]
-
-__all__ = ["open_servers", "spread"]
+__all__ = ["Server", "open_servers", "spread"]
 
 log = logging.getLogger(__name__)
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+
+class Server(NamedTuple):
+    """A server that answered at the start, and what its listing said."""
+
+    endpoint: EndpointConfig
+    client: openai.OpenAI
+    max_model_len: int | None  # tokens a request takes, where the server says (vLLM's listing does)
 
 
 def open_servers(endpoints: Sequence[EndpointConfig]) -> list[Server]:
@@ -42,7 +48,8 @@ def open_servers(endpoints: Sequence[EndpointConfig]) -> list[Server]:
     servers, errors = [], []
     for endpoint in endpoints:
         try:
-            servers.append((endpoint, open_client(endpoint)[0]))
+            client, listing = open_client(endpoint)
+            servers.append(Server(endpoint, client, getattr(listing, "max_model_len", None)))
         except EndpointError as exc:
             errors.append(exc)
     if not servers:
@@ -63,11 +70,11 @@ def spread(items: Sequence[Item], servers: Sequence[Server], work: Callable[[Ite
     alive = list(range(len(servers)))
     load = [0] * len(servers)
     in_flight: dict[Future, tuple[Item, int]] = {}
-    with ThreadPoolExecutor(sum(endpoint.concurrency for endpoint, _ in servers)) as pool:
+    with ThreadPoolExecutor(sum(server.endpoint.concurrency for server in servers)) as pool:
         try:
             while pending or in_flight:
                 for s in alive:
-                    while pending and load[s] < servers[s][0].concurrency:
+                    while pending and load[s] < servers[s].endpoint.concurrency:
                         item = pending.popleft()
                         in_flight[pool.submit(work, item, servers[s])] = (item, s)
                         load[s] += 1

@@ -325,7 +325,7 @@ class EngineConfig(_Group):
         return args
 
 
-class ExtractConfig(_ServerCapableGroup):
+class ExtractConfig(_ServerReplicas):
     _name: ClassVar[str] = "extract"
     _server_backend: ClassVar[str] = "vllm"
 
@@ -350,6 +350,12 @@ class ExtractConfig(_ServerCapableGroup):
         "architecture vLLM serves, MLA included.",
     )
     endpoint: EndpointConfig = Field(EndpointConfig(), description="The server, for backend 'vllm'.")
+    more_base_urls: list[str] = _more_base_urls(
+        "vllm",
+        "samples",
+        " Every server writes its states files into the directory this step reads (served_states_dir): on several "
+        "hosts, a filesystem they all share, mounted at the same path on each.",
+    )
     served_states_dir: str | None = Field(
         None,
         description="Where the server of backend 'vllm' writes states files: its shared_storage_path, as `eagle3 "

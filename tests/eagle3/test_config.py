@@ -130,7 +130,7 @@ def test_where_the_server_is_stays_out_of_the_key_but_what_it_serves_does_not():
     assert key()["endpoint"] == {"model": "verifier"}
 
 
-@pytest.mark.parametrize(("group", "backend"), [("regenerate", "openai")])
+@pytest.mark.parametrize(("group", "backend"), [("regenerate", "openai"), ("extract", "vllm")])
 def test_more_servers_are_used_with_their_credentials_but_shown_and_stored_without_and_not_keyed(group, backend):
     url = "http://user:s3cret-pw@host-b:8000/v1"
     served = [f"{group}.backend={backend}", f"{group}.endpoint.model=verifier"]

@@ -188,7 +188,39 @@ class _ServerCapableGroup(_Group):
         return self
 
 
-class RegenerateConfig(_ServerCapableGroup):
+def _more_base_urls(backend: str, items: str, shared: str = "") -> Any:
+    """`more_base_urls` of a group whose server backend is `backend`: its help names what is spread
+    (`items`) and what the servers must share (`shared`)."""
+    return Field(
+        default_factory=list,
+        description=f"Backend '{backend}': API roots of more servers of the same model (one per host, say), each sent "
+        f"endpoint.concurrency requests at once: {items} are spread over all of them, and one that stops answering "
+        f"mid-run loses only its requests in flight, which the others answer again.{shared}",
+        json_schema_extra=_NO_KEY,
+    )
+
+
+class _ServerReplicas(_ServerCapableGroup):
+    """A server-capable group whose step spreads its requests over several servers of one model
+    (`eagle3.serving.replicas`): `endpoint`, then `more_base_urls`, each declared with
+    `_more_base_urls`. Their credentials are redacted as `endpoint.base_url`'s are."""
+
+    if TYPE_CHECKING:  # every subclass declares it, with its own help
+        more_base_urls: list[str]
+
+    @field_serializer("more_base_urls", check_fields=False)
+    def _redacted(self, urls: list[str]) -> list[str]:
+        return [redacted_url(url) for url in urls]
+
+    def __repr_args__(self):
+        return [(name, self._redacted(value) if name == "more_base_urls" else value) for name, value in super().__repr_args__()]
+
+    def endpoints(self) -> list[EndpointConfig]:
+        """`endpoint`, then one like it for each of `more_base_urls`."""
+        return [self.endpoint, *(self.endpoint.model_copy(update={"base_url": url}) for url in self.more_base_urls)]
+
+
+class RegenerateConfig(_ServerReplicas):
     _name: ClassVar[str] = "regenerate"
     _server_backend: ClassVar[str] = "openai"
 
@@ -212,29 +244,12 @@ class RegenerateConfig(_ServerCapableGroup):
         "e.g. vLLM serving the verifier at scale.",
     )
     endpoint: EndpointConfig = Field(EndpointConfig(), description="The server, for backend 'openai'.")
-    more_base_urls: list[str] = Field(
-        default_factory=list,
-        description="Backend 'openai': API roots of more servers of the same model (one per host, say), each sent "
-        "endpoint.concurrency requests at once: records are spread over all of them, and one that stops answering "
-        "mid-run loses only its requests in flight, which the others answer again.",
-        json_schema_extra=_NO_KEY,
-    )
+    more_base_urls: list[str] = _more_base_urls("openai", "records")
     batch_size: int = Field(16, ge=1, description="Conversations generated together (transformers backend).", json_schema_extra=_NO_KEY)
     min_batch_size: int = Field(
         1, ge=1, description="Out-of-memory back-off halves batch_size down to this, then fails.", json_schema_extra=_NO_KEY
     )
     device: Device = Field("auto", description="Where the transformers backend generates.", json_schema_extra=_NO_KEY)
-
-    @field_serializer("more_base_urls")
-    def _redacted(self, urls: list[str]) -> list[str]:
-        return [redacted_url(url) for url in urls]
-
-    def __repr_args__(self):
-        return [(name, self._redacted(value) if name == "more_base_urls" else value) for name, value in super().__repr_args__()]
-
-    def endpoints(self) -> list[EndpointConfig]:
-        """`endpoint`, then one like it for each of `more_base_urls`."""
-        return [self.endpoint, *(self.endpoint.model_copy(update={"base_url": url}) for url in self.more_base_urls)]
 
 
 class EngineConfig(_Group):
@@ -310,7 +325,7 @@ class EngineConfig(_Group):
         return args
 
 
-class ExtractConfig(_ServerCapableGroup):
+class ExtractConfig(_ServerReplicas):
     _name: ClassVar[str] = "extract"
     _server_backend: ClassVar[str] = "vllm"
 
@@ -335,6 +350,12 @@ class ExtractConfig(_ServerCapableGroup):
         "architecture vLLM serves, MLA included.",
     )
     endpoint: EndpointConfig = Field(EndpointConfig(), description="The server, for backend 'vllm'.")
+    more_base_urls: list[str] = _more_base_urls(
+        "vllm",
+        "samples",
+        " Every server writes its states files into the directory this step reads (served_states_dir): on several "
+        "hosts, a filesystem they all share, mounted at the same path on each.",
+    )
     served_states_dir: str | None = Field(
         None,
         description="Where the server of backend 'vllm' writes states files: its shared_storage_path, as `eagle3 "

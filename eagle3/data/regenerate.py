@@ -36,7 +36,6 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, Field
@@ -49,7 +48,7 @@ from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory
 from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.serving.endpoint import EndpointError, RequestRejected, chat
-from eagle3.serving.replicas import open_servers, spread
+from eagle3.serving.replicas import Server, open_servers, spread
 from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
 from eagle3.store.done_log import DONE_LOG, append_done, read_done
 from eagle3.store.manifests import ArtifactManifest, Provenance
@@ -57,9 +56,6 @@ from eagle3.store.versions import route
 from eagle3.verifier.loading import chat_prompt_ids, eos_token_ids
 from eagle3.verifier.placement import Worker, load_placed, place_verifier
 from eagle3.verifier.resolve_verifier import VerifierManifest, verifier_tokenizer
-
-if TYPE_CHECKING:
-    from eagle3.serving.replicas import Server
 
 __all__ = ["RegeneratedManifest", "regenerate", "regenerate_provenance", "regenerated_conversations"]
 
@@ -276,13 +272,12 @@ def _answers_by_server(todo: list[Record], cfg: RegenerateConfig) -> Iterator[di
     sampling = {"max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
 
     def answer(record: Record, server: Server) -> dict:
-        endpoint, client = server
         record_id, system, users = record
         messages, reasons, tokens = list(system), [], 0
         for turn, user in enumerate(users):
             messages.append({"role": "user", "content": user})
             try:
-                served = chat(client, endpoint, messages, sampling)
+                served = chat(server.client, server.endpoint, messages, sampling)
             except RequestRejected as exc:
                 return {"id": record_id, "failed": f"server rejected turn {turn}: {exc}"}
             text = _answer_text(served.content, served.reasoning, cfg.strip_thinking)

@@ -20,10 +20,10 @@ threads while the device computes the next batch. Cost: one verifier forward per
 `extract.storage=fp8` (`eagle3.extraction.storage`); a run whose shards would not fit the store's
 free space fails before it writes any, with the numbers.
 
-Backend `vllm` asks a vLLM server for each sample's states instead (`eagle3.extraction.served`),
-backend `vllm-engine` runs vLLM's engine in a child process that captures them inside its workers
-and writes the shard's files (`eagle3.extraction.vllm_engine`); both are checked and published the
-same way.
+Backend `vllm` asks vLLM servers for each sample's states instead, spread over `extract.endpoint`
+and `extract.more_base_urls` (`eagle3.extraction.served`), backend `vllm-engine` runs vLLM's engine
+in a child process that captures them inside its workers and writes the shard's files
+(`eagle3.extraction.vllm_engine`); both are checked and published the same way.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def _extract_shard(decoder, capture, writer, shard_dir, indices, input_ids, budg
 def _extract_served_shard(source, writer, shard_dir, indices, input_ids, record_ids, progress) -> None:
     import torch
 
-    def write(i: int, states: torch.Tensor) -> None:
+    def write(i: int, states: torch.Tensor) -> None:  # in the order answers arrive: each file is named by its sample
         writer.submit(states.unsqueeze(0), [(hs_path(shard_dir, i - indices[0]), torch.tensor(input_ids[i]))])
         progress.update(len(input_ids[i]))
 
@@ -149,7 +149,7 @@ class ShardWork(BaseModel):
 
 
 class ExtractAttempt(BaseModel):
-    """One attempt: the shards to extract with one model load (or from one server), what crosses
+    """One attempt: the shards to extract with one model load (or from the servers), what crosses
     into its child process."""
 
     dataset: DatasetManifest
@@ -159,8 +159,8 @@ class ExtractAttempt(BaseModel):
     shard_root: Path
     todo: list[ShardWork]
     budget: int = Field(description="padded tokens per prefill batch")
-    served: EndpointConfig | None = Field(None, description="ask this server for the states instead")
-    served_states: Path | None = Field(None, description="the only directory the server's states files are read from")
+    served: list[EndpointConfig] = Field(default_factory=list, description="ask these servers for the states instead, spread over them")
+    served_states: Path | None = Field(None, description="the only directory the servers' states files are read from")
     storage: str = Field("bf16", description="precision the files store the states in (extract.storage)")
     engine: EngineConfig | None = Field(None, description="run vLLM's engine for the states instead")
     max_memory: dict[int | str, int] | None = Field(
@@ -175,7 +175,7 @@ class AttemptOutcome(BaseModel):
 
 class _Source:
     """Where an attempt's states come from: the verifier, loaded at the first shard this attempt
-    takes (an attempt that finds every shard taken never loads it), a vLLM server, or vLLM's
+    takes (an attempt that finds every shard taken never loads it), vLLM servers, or vLLM's
     engine, started (like the verifier) at the first shard."""
 
     def __init__(self, spec: ExtractAttempt, input_ids: list[list[int]], record_ids: list[str]):
@@ -187,9 +187,9 @@ class _Source:
         self.capture: HiddenStateCapture | None = None
         self.server: ServedStates | None = None
         self.engine: EngineStates | None = None
-        if spec.served is not None:
+        if spec.served:
             if spec.served_states is None:
-                raise ValueError("an attempt that asks a server for the states needs served_states, where their files are read")
+                raise ValueError("an attempt that asks servers for the states needs served_states, where their files are read")
             self.server = ServedStates(spec.served, len(spec.aux) + 1, spec.verifier.hidden_size, spec.served_states)
             self.server.check_fit([(i, record_ids[i], input_ids[i]) for shard in spec.todo for i in shard.records])
 
@@ -437,21 +437,22 @@ def extract_hidden_states(
 
     Raises:
         ConfigError: aux layer ids out of range for the verifier; the verifier does not fit the
-            claimed GPUs; (backend `vllm`) a record longer than the server's context, named before
+            claimed GPUs; (backend `vllm`) a record longer than a server's context, named before
             any request (or when the server refuses it);
             (backend `vllm-engine`) no vLLM environment, or fewer GPUs claimed than the engine needs.
         ArtifactError: a written file fails verification.
         RuntimeError: out of memory even at `cfg.min_prefill_batch_tokens`.
-        EndpointError: (backend `vllm`) the server is unreachable, not set up to extract, or
-            wrote states of other layers or where this host cannot read them.
+        EndpointError: (backend `vllm`) every server is unreachable, not set up to extract, or
+            wrote states of other layers or where this host cannot read them (each one that does
+            is dropped with a warning while another is left).
     Whatever stops the step, finished shards are kept for the re-run.
     """
     import torch
 
     clock = Stopwatch()
-    served = cfg.endpoint if cfg.backend == "vllm" else None
+    served = cfg.endpoints() if cfg.backend == "vllm" else []
     served_states = Path(cfg.served_states_dir or store.root / SERVED_STATES).expanduser()
-    if served is not None:
+    if served:
         claim = NO_GPU
     aux = resolve_aux_layer_ids(cfg.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
     shard_root = store.root / "shards"

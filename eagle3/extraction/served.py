@@ -5,8 +5,11 @@ The server runs vLLM's `extract_hidden_states` speculative method with a hidden-
 connector (`server_args`, printed by `eagle3 extraction-server`): for each request it writes the
 prompt's states at the given layers to a safetensors file, `hidden_states [seq, layers, H]` and
 `token_ids`, and answers with the file's path. This module asks for one sample per request with
-speculators' own response parsing and file lock, reads the file and removes it. The server must
-write where this host reads (one host, or a shared filesystem), into the states directory
+speculators' own response parsing and file lock, reads the file and removes it. Samples are spread
+over several servers of the model where `extract.more_base_urls` lists more (one per host, say;
+`eagle3.serving.replicas`): a server that stops answering loses only its requests in flight, which
+the others answer again. Every server must write where this host reads (one host, or a filesystem
+they share, mounted at the same path on each), into the states directory
 (`extract.served_states_dir`): a path the server names is read and removed only if it lies inside
 that directory once links are resolved, so a server (or whoever answers in its place) cannot make
 this host read or delete any other file. The layers are fixed when the server starts; a file's
@@ -18,15 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3.config import ConfigError, EndpointConfig
-from eagle3.serving.endpoint import EndpointError, RequestRejected, open_client, request, served_model
+from eagle3.serving.endpoint import EndpointError, RequestRejected, request, served_model
+from eagle3.serving.replicas import Server, open_servers, spread
 
 if TYPE_CHECKING:  # the step imports these when it runs: speculators alone takes 14 s to import on two cores
     import openai
@@ -184,65 +186,57 @@ def _too_long(record_id: str, index: int, num_tokens: int, reason: str) -> Confi
 
 
 class ServedStates:
-    """A client of an extracting server, checked to serve `cfg.model`, that writes its files into
-    `storage`; `states` per sample."""
+    """Clients of extracting servers of one model (`eagle3.serving.replicas`), each checked to serve
+    it, that all write their files into `storage`; `extract` spreads samples over them."""
 
-    def __init__(self, cfg: EndpointConfig, num_slots: int, hidden_size: int, storage: Path):
-        self.cfg, self.storage = cfg, storage
-        self.client, listing = open_client(cfg)
-        self.max_model_len: int | None = getattr(listing, "max_model_len", None)  # tokens a request takes, where the server says
+    def __init__(self, endpoints: Sequence[EndpointConfig], num_slots: int, hidden_size: int, storage: Path):
+        self.storage = storage
+        self.servers = open_servers(endpoints)
         self.shape = (num_slots, hidden_size)
 
     def check_fit(self, samples: list[Sample]) -> None:
-        """Name the first sample longer than the server takes (with the one token it answers) before
-        any request, not hours into the step.
+        """Name the first sample longer than a server takes (with the one token it answers) before
+        any request, not hours into the step: any sample may go to any server, so the smallest
+        context any server reports bounds them all.
 
         Raises:
-            ConfigError: a sample is too long for the server's context.
+            ConfigError: a sample is too long for a server's context.
         """
+        listed = [(server.max_model_len, server) for server in self.servers if server.max_model_len is not None]
+        if not listed:
+            return
+        limit, smallest = min(listed, key=lambda pair: pair[0])
+        which = "the server" if len(self.servers) == 1 else f"the server {smallest.endpoint.display_url} (of {len(self.servers)})"
         for index, record_id, token_ids in samples:
-            if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
-                reason = f"the server takes {self.max_model_len} tokens a request, the sample and one answered token"
+            if len(token_ids) >= limit:
+                reason = f"{which} takes {limit} tokens a request, the sample and one answered token"
                 raise _too_long(record_id, index, len(token_ids), reason)
 
     def extract(self, samples: list[Sample], write: Callable[[int, torch.Tensor], None]) -> None:
-        """`write(index, states)` for each sample in order, `endpoint.concurrency` requests in
-        flight; at most twice that many answers wait in memory. At the first failure the requests
-        not yet sent are dropped and the failure is raised.
+        """`write(index, states)` for each sample as its answer arrives (in any order),
+        `endpoint.concurrency` requests in flight per server (`spread`): no more answers wait in
+        memory than there are requests in flight, since none is sent while `write` runs. A server
+        that stops answering, or whose answers cannot be read here, is dropped with a warning (for
+        the later shards too) and its samples in flight go to the others. At the first other
+        failure the requests not yet sent are dropped and the failure is raised.
 
         Raises:
-            ConfigError: the server refused a sample (longer than its context), named.
-            EndpointError: as `states`.
+            ConfigError: a server refused a sample (longer than its context), named.
+            EndpointError: as `states`, from the last server left.
         """
 
-        def states(sample: Sample) -> torch.Tensor:
+        def states(sample: Sample, server: Server) -> tuple[int, torch.Tensor]:
             index, record_id, token_ids = sample
             try:
-                return self.states(token_ids, f"record {record_id!r}")
+                return index, self.states(server, token_ids, f"record {record_id!r}")
             except RequestRejected as exc:
                 raise _too_long(record_id, index, len(token_ids), f"the server refused it: {exc}") from exc
 
-        asked: deque[tuple[int, Future]] = deque()
+        for index, answer in spread(samples, self.servers, states):
+            write(index, answer)
 
-        def write_oldest() -> None:
-            index, answer = asked.popleft()
-            write(index, answer.result())
-
-        with ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="hs-request") as pool:
-            try:
-                for sample in samples:
-                    asked.append((sample[0], pool.submit(states, sample)))
-                    if len(asked) >= 2 * self.cfg.concurrency:
-                        write_oldest()
-                while asked:
-                    write_oldest()
-            except BaseException:
-                for _, answer in asked:
-                    answer.cancel()
-                raise
-
-    def states(self, token_ids: list[int], sample: str) -> torch.Tensor:
-        """The sample's states `[seq, num_slots, H]`, in the server's dtype.
+    def states(self, server: Server, token_ids: list[int], sample: str) -> torch.Tensor:
+        """The sample's states `[seq, num_slots, H]` from `server`, in the server's dtype.
 
         Raises:
             RequestRejected: the server refused the sample (longer than its context).
@@ -251,7 +245,7 @@ class ServedStates:
         """
         from speculators.data_generation.vllm_client import InvalidResponseError, extract_output
 
-        response = prefill(self.client, self.cfg, token_ids)
+        response = prefill(server.client, server.endpoint, token_ids)
         try:
             path, _ = extract_output(response, token_ids)
         except InvalidResponseError as exc:
@@ -261,7 +255,7 @@ class ServedStates:
                     _wait_for_writer(written, sample, LOCK_TIMEOUT_S)
                     _remove(written)
             raise EndpointError(
-                f"{self.cfg.display_url}: {sample}: {exc}. Is the server started with the flags of "
+                f"{server.endpoint.display_url}: {sample}: {exc}. Is the server started with the flags of "
                 "`eagle3 extraction-server` (method extract_hidden_states and a hidden-states connector)?"
             ) from exc
-        return read_states(path, token_ids, self.shape, f"{sample}, from {self.cfg.display_url}", self.storage)
+        return read_states(path, token_ids, self.shape, f"{sample}, from {server.endpoint.display_url}", self.storage)

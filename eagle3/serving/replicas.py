@@ -14,7 +14,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from eagle3.config import EndpointConfig
 from eagle3.serving.endpoint import EndpointError, open_client
@@ -22,14 +22,20 @@ from eagle3.serving.endpoint import EndpointError, open_client
 if TYPE_CHECKING:  # openai is imported where a request is sent, not where this module is loaded
     import openai
 
-    Server = tuple[EndpointConfig, openai.OpenAI]
-
-__all__ = ["open_servers", "spread"]
+__all__ = ["Server", "open_servers", "spread"]
 
 log = logging.getLogger(__name__)
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+
+class Server(NamedTuple):
+    """A server that answered at the start, and what its listing said."""
+
+    endpoint: EndpointConfig
+    client: openai.OpenAI
+    max_model_len: int | None  # tokens a request takes, where the server says (vLLM's listing does)
 
 
 def open_servers(endpoints: Sequence[EndpointConfig]) -> list[Server]:
@@ -42,7 +48,8 @@ def open_servers(endpoints: Sequence[EndpointConfig]) -> list[Server]:
     servers, errors = [], []
     for endpoint in endpoints:
         try:
-            servers.append((endpoint, open_client(endpoint)[0]))
+            client, listing = open_client(endpoint)
+            servers.append(Server(endpoint, client, getattr(listing, "max_model_len", None)))
         except EndpointError as exc:
             errors.append(exc)
     if not servers:
@@ -52,24 +59,27 @@ def open_servers(endpoints: Sequence[EndpointConfig]) -> list[Server]:
     return servers
 
 
-def spread(items: Sequence[Item], servers: Sequence[Server], work: Callable[[Item, Server], Result]) -> Iterator[Result]:
+def spread(items: Sequence[Item], servers: list[Server], work: Callable[[Item, Server], Result]) -> Iterator[Result]:
     """`work(item, server)` for every item, at most `endpoint.concurrency` at once per server;
-    results as they finish.
+    results as they finish. No request is sent while the caller holds a result, so at most as many
+    results wait as there are requests in flight. A server that stops answering is also removed
+    from `servers`, so that a later call (the next shard of a step) does not wait on it again.
 
     Raises:
         EndpointError: every server stopped answering; the items finished before are yielded.
     """
+    given = list(servers)
     pending: deque[Item] = deque(items)
-    alive = list(range(len(servers)))
-    load = [0] * len(servers)
+    alive = list(range(len(given)))
+    load = [0] * len(given)
     in_flight: dict[Future, tuple[Item, int]] = {}
-    with ThreadPoolExecutor(sum(endpoint.concurrency for endpoint, _ in servers)) as pool:
+    with ThreadPoolExecutor(sum(server.endpoint.concurrency for server in given)) as pool:
         try:
             while pending or in_flight:
                 for s in alive:
-                    while pending and load[s] < servers[s][0].concurrency:
+                    while pending and load[s] < given[s].endpoint.concurrency:
                         item = pending.popleft()
-                        in_flight[pool.submit(work, item, servers[s])] = (item, s)
+                        in_flight[pool.submit(work, item, given[s])] = (item, s)
                         load[s] += 1
                 done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
                 for future in done:
@@ -80,6 +90,7 @@ def spread(items: Sequence[Item], servers: Sequence[Server], work: Callable[[Ite
                     except EndpointError as exc:
                         if s in alive:
                             alive.remove(s)
+                            servers.remove(given[s])
                             if alive:
                                 log.warning("%s; its requests in flight go to the other %d server(s)", exc, len(alive))
                         if not alive:

@@ -12,6 +12,7 @@ from eagle3.config import (
     RegenerateConfig,
     TrainConfig,
     VerifierConfig,
+    field_docs,
     load_config,
     output_affecting,
 )
@@ -127,6 +128,20 @@ def test_where_the_server_is_stays_out_of_the_key_but_what_it_serves_does_not():
     assert key() == key(base_url="http://gpu-host:9000/v1", concurrency=64, timeout_s=5, max_retries=0, api_key_env="KEY")
     assert key() != key(model="verifier-v2")
     assert key()["endpoint"] == {"model": "verifier"}
+
+
+@pytest.mark.parametrize(("group", "backend"), [("regenerate", "openai"), ("extract", "vllm")])
+def test_more_servers_are_used_with_their_credentials_but_shown_and_stored_without_and_not_keyed(group, backend):
+    url = "http://user:s3cret-pw@host-b:8000/v1"
+    served = [f"{group}.backend={backend}", f"{group}.endpoint.model=verifier"]
+
+    config = load_config(None, [*served, f"{group}.more_base_urls=[{url}]"])
+
+    step = getattr(config, group)
+    assert [e.base_url for e in step.endpoints()] == ["http://localhost:8000/v1", url]  # what the clients are given
+    shown = [repr(config), str(config.model_dump(mode="json")), str(config.model_dump()), str(field_docs(config))]
+    assert all("s3cret-pw" not in text and "http://***@host-b:8000/v1" in text for text in shown)
+    assert output_affecting(step) == output_affecting(getattr(load_config(None, served), group))
 
 
 def test_a_server_backend_without_a_served_model_name_is_a_config_error():

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import CLAIM_WAIT_S, free_port, run_while_another_run_holds_the_step, work_dir_path, write_jsonl
 from tiny_models import CHATML, tiny_llama
+from vllm_server import ServerFront
 
 from eagle3.config import EndpointConfig, RegenerateConfig, VerifierConfig
 from eagle3.data.prepare_dataset import read_user_turns
@@ -358,65 +359,17 @@ def test_a_rerun_after_a_crash_asks_the_server_only_for_what_is_missing(served_d
     assert _served_requests(served_draft) - before == 3  # record 81: two turns, record c: one
 
 
-class _DyingServer:
-    """A front of a real server on a port of its own that passes on `answers` chat requests, then
-    dies as a host does: the next request's connection is closed with no answer and the port
-    refuses connections from then on."""
-
-    def __init__(self, target: str, answers: int):
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        root = target.removesuffix("/v1")
-        front = self
-
-        class Forward(BaseHTTPRequestHandler):
-            def _forward(self, body: bytes | None) -> None:
-                request = urllib.request.Request(root + self.path, data=body, headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(request, timeout=600) as answer:
-                    payload = answer.read()
-                self.send_response(answer.status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def do_GET(self):
-                self._forward(None)
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                front.chat_requests += 1
-                if front.chat_requests > answers:
-                    self.close_connection = True
-                    threading.Thread(target=front.die).start()
-                    return
-                self._forward(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.chat_requests = 0
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
-        self.base_url = f"http://127.0.0.1:{self.http.server_address[1]}/v1"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-
-    def die(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
-
-
 @pytest.mark.vllm
 def test_records_spread_over_several_servers_and_a_server_that_dies_loses_only_its_requests(served_draft, prompts, caplog):
     store = served_draft.store
     alone = regenerate(_served(served_draft), prompts, served_draft.verifier, store, Provenance(config={"run": "one server"}))
-    dying = _DyingServer(served_draft.base_url, answers=1)  # record 81's first turn, then it dies asking for its second
+    dying = ServerFront(served_draft.base_url, answers=1)  # record 81's first turn, then it dies asking for its second
     cfg = _served(served_draft, concurrency=1, max_retries=1).model_copy(update={"more_base_urls": [dying.base_url]})
 
     with caplog.at_level("WARNING", logger="eagle3"):
         spread = regenerate(cfg, prompts, served_draft.verifier, store, Provenance(config={"run": "two servers"}))
 
-    assert dying.chat_requests == 2  # it answered one request and died on the next
+    assert dying.posts == 2  # it answered one request and died on the next
     assert (
         pq.read_table(spread.path / "conversations.parquet").to_pylist() == pq.read_table(alone.path / "conversations.parquet").to_pylist()
     )

@@ -106,9 +106,9 @@ def test_a_file_the_server_names_outside_the_states_directory_is_neither_read_no
     }[named]
 
     with fake_openai_server(path) as url:
-        served = ServedStates(EndpointConfig(base_url=url, model=MODEL), 4, 8, storage)
+        served = ServedStates([EndpointConfig(base_url=url, model=MODEL)], 4, 8, storage)
         with pytest.raises(EndpointError, match=r"outside the states directory .*served-states .*neither read nor removed"):
-            served.states([5, 6, 7], "record 'r0'")
+            served.states(served.servers[0], [5, 6, 7], "record 'r0'")
 
     assert victim.exists() and victim.with_name("notes.safetensors.lock").exists()
 
@@ -119,7 +119,8 @@ def test_a_refused_answer_naming_a_file_outside_the_states_directory_removes_not
     _victim(victim)
 
     with fake_openai_server(str(victim), prompt_ids=[1, 2]) as url, pytest.raises(EndpointError, match=r"Prompt token IDs mismatch"):
-        ServedStates(EndpointConfig(base_url=url, model=MODEL), 4, 8, storage).states([5, 6, 7], "record 'r0'")  # other tokens
+        served = ServedStates([EndpointConfig(base_url=url, model=MODEL)], 4, 8, storage)
+        served.states(served.servers[0], [5, 6, 7], "record 'r0'")  # answered with other tokens
 
     assert victim.exists() and victim.with_name("notes.safetensors.lock").exists()
 
@@ -129,7 +130,8 @@ def test_a_states_file_inside_the_states_directory_is_read_and_removed(tmp_path)
     inside = _victim(storage / "hs_0.safetensors")
 
     with fake_openai_server(inside) as url:
-        states = ServedStates(EndpointConfig(base_url=url, model=MODEL), 4, 8, storage).states([5, 6, 7], "record 'r0'")
+        served = ServedStates([EndpointConfig(base_url=url, model=MODEL)], 4, 8, storage)
+        states = served.states(served.servers[0], [5, 6, 7], "record 'r0'")
 
     assert tuple(states.shape) == (3, 4, 8)
     assert list(storage.iterdir()) == []

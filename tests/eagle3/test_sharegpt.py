@@ -68,3 +68,22 @@ def test_a_missing_package_or_a_file_that_is_no_array_is_one_line(tmp_path, caps
     assert main([str(tmp_path / "out.jsonl"), "--source", str(source)]) == 2
 
     assert capsys.readouterr().err.strip() == f"eagle3: {source}: expected a JSON array of conversations"
+
+
+def test_conversations_past_the_user_turn_or_character_budget_are_skipped_and_counted(tmp_path, capsys):
+    turn = {"from": "human", "value": "12345"}
+    records = [
+        {"id": "two", "conversations": [turn, {"from": "gpt", "value": "ok"}, turn]},
+        {"id": "three", "conversations": [turn, turn, turn]},
+        {"id": "long", "conversations": [{"from": "human", "value": "x" * 11}]},
+        {"id": "one", "conversations": [turn]},
+        {"id": "also", "conversations": [turn]},
+    ]
+    source, out = tmp_path / "sharegpt.json", tmp_path / "out.jsonl"
+    source.write_text(json.dumps(records))
+
+    argv = [str(out), "--source", str(source), "--max-user-turns", "2", "--max-user-chars", "10", "--max-records", "2"]
+    assert main(argv) == 0
+
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["two", "one"]
+    assert "dropped: over_max_user_chars 1, over_max_user_turns 1)" in capsys.readouterr().out

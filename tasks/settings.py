@@ -25,6 +25,7 @@ def set_prefect_defaults() -> None:
 
 
 EXIT_DEADLINE_S = 8.0  # after SIGTERM; a run must be gone within 10 s however the signal came
+SIGNAL_SEEN_S = 1.0  # how long an exception leaving the run waits to learn whether a SIGTERM came first
 
 
 @contextmanager
@@ -41,14 +42,24 @@ def exit_cleanly_on_sigterm() -> Iterator[None]:
     the process `EXIT_DEADLINE_S` later whatever the main thread does, and at once on a second
     SIGTERM. Children (the temporary server, a step's child process) get SIGTERM from the kernel as
     it dies. Afterwards the previous handler and wakeup fd are back (a test calling `eagle3.cli.main`
-    leaves its process as it found it). Enter from the main thread."""
+    leaves its process as it found it). Enter from the main thread.
+
+    The exception can also turn into another: a SIGTERM that lands while Prefect creates a task run
+    makes its crash handling raise `ValueError: Task run is not set`, which fails the flow instead.
+    An exception that leaves the block after a SIGTERM arrived exits as SIGTERM does, 128 + 15."""
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     read, write = os.pipe()
     os.set_blocking(write, False)
     previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    threading.Thread(target=_exit_deadline, args=(read,), name="eagle3-sigterm-watch", daemon=True).start()
+    terminated = threading.Event()
+    threading.Thread(target=_exit_deadline, args=(read, terminated), name="eagle3-sigterm-watch", daemon=True).start()
     try:
         yield
+    except Exception as exc:
+        # The signal's byte is in the pipe before any handler runs: the watcher has it at once.
+        if terminated.wait(timeout=SIGNAL_SEEN_S):
+            raise SystemExit(128 + signal.SIGTERM) from exc
+        raise
     finally:
         signal.set_wakeup_fd(previous_fd)
         signal.signal(signal.SIGTERM, previous)
@@ -59,15 +70,16 @@ def _exit_on_sigterm(signum, frame) -> None:
     sys.exit(128 + signum)
 
 
-def _exit_deadline(wakeup: int) -> None:
-    """Started by the first SIGTERM that reaches the process, ends it `EXIT_DEADLINE_S` later; a
-    second ends it at once. Returns when the pipe is closed."""
+def _exit_deadline(wakeup: int, terminated: threading.Event) -> None:
+    """Started by the first SIGTERM that reaches the process (it sets `terminated`), ends it
+    `EXIT_DEADLINE_S` later; a second ends it at once. Returns when the pipe is closed."""
     code = 128 + signal.SIGTERM
     deadline: threading.Timer | None = None
     while arrived := os.read(wakeup, 64):  # one byte per signal that arrived, its number
         for signum in arrived:
             if signum != signal.SIGTERM:
                 continue
+            terminated.set()
             if deadline is not None:
                 os._exit(code)
             deadline = threading.Timer(EXIT_DEADLINE_S, os._exit, args=(code,))

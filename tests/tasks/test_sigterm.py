@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tasks.settings import EXIT_DEADLINE_S
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # each test waits out a real exit deadline
 
@@ -45,6 +47,41 @@ def test_a_sigterm_whose_exception_is_lost_in_a_finalizer_still_ends_the_process
 
     assert code == 128 + signal.SIGTERM and time.monotonic() - sent < 10
     assert "Exception ignored" in run.stderr.read()  # the handler's exception was lost: the deadline ended it
+
+
+TURNED = """
+import signal, sys, time
+from tasks.settings import exit_cleanly_on_sigterm
+
+def crash(signum, frame):  # as Prefect's handler does during a flow: raise in the main thread
+    raise RuntimeError("termination")
+
+with exit_cleanly_on_sigterm():
+    signal.signal(signal.SIGTERM, crash)
+    print("ready", flush=True)
+    try:
+        time.sleep(float(sys.argv[1]))
+    except RuntimeError as exc:  # as Prefect's crash handling does before the task run exists
+        raise ValueError("Task run is not set") from exc
+    raise ValueError("a bug, no signal")
+"""
+
+
+def test_a_sigterm_that_turned_into_another_exception_still_exits_as_sigterm_does():
+    run = subprocess.Popen([sys.executable, "-c", TURNED, "60"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert run.stdout.readline() == "ready\n"
+
+    run.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+
+    assert run.wait(timeout=30) == 128 + signal.SIGTERM and time.monotonic() - sent < EXIT_DEADLINE_S  # not the deadline's exit
+    assert run.stderr.read() == ""
+
+
+def test_an_exception_without_a_sigterm_leaves_the_process_as_it_is():
+    done = subprocess.run([sys.executable, "-c", TURNED, "0"], cwd=REPO, capture_output=True, text=True, timeout=30)
+
+    assert done.returncode == 1 and "ValueError: a bug, no signal" in done.stderr
 
 
 def test_a_second_sigterm_ends_the_process_at_once():

@@ -14,7 +14,15 @@ from vllm_server import ServerFront
 
 from eagle3.config import EndpointConfig, RegenerateConfig, VerifierConfig
 from eagle3.data.prepare_dataset import read_user_turns
-from eagle3.data.regenerate import RegenerateAttempt, RegeneratedManifest, _answer_batch, _answer_text, _transformers_attempt, regenerate
+from eagle3.data.regenerate import (
+    RegenerateAttempt,
+    RegeneratedManifest,
+    _answer_batch,
+    _answer_text,
+    _transformers_attempt,
+    batch_order,
+    regenerate,
+)
 from eagle3.evaluation.speculative import greedy_decode
 from eagle3.runtime.attempts import run_attempt
 from eagle3.runtime.faults import FAULT_OOM_ENV
@@ -95,6 +103,20 @@ def test_a_repeated_id_names_both_records(tmp_path):
 
     with pytest.raises(ArtifactError, match=r"dup\.jsonl: record 2: field 'id': '2' is also the id of record 1"):
         read_user_turns(path, None)
+
+
+def test_conversations_are_batched_with_others_of_as_many_turns_shortest_first_turn_first():
+    records = [
+        ("chat-long", [], ["a" * 30, "b"]),
+        ("one-long", [], ["a" * 20]),
+        ("three", [], ["a", "b", "c"]),
+        ("chat-short", [], ["a" * 5, "b" * 90]),
+        ("one-short", [], ["a"]),
+    ]
+
+    order = [record_id for record_id, _, _ in batch_order(records)]
+
+    assert order == ["one-short", "one-long", "chat-short", "chat-long", "three"]
 
 
 def test_regenerated_turns_are_the_verifiers_greedy_answers_in_order(verifier, prompts):

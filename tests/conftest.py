@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -17,6 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Before torch starts OpenMP, for this process and every one its tests start: OpenMP threads that
+# wait for the others at a barrier sleep rather than spin. The tests' processes share the CPUs (xdist
+# workers, vLLM servers, training children): a spinning thread holds a core that the thread it
+# waits for needs. Three tiny trainings side by side on two cores took 216 s spinning, 59 s so;
+# one alone takes as long either way (13.6 s, 13.8 s).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -34,14 +43,94 @@ from tiny_models import (
 SAMPLE = Path(__file__).resolve().parents[1] / "eagle3" / "data" / "sample_conversations.jsonl"
 
 
+# Under pytest-xdist (pyproject's addopts: `-n`, `--dist loadgroup`) each group of tests runs on
+# one worker: a test module, so that its module-scoped fixtures (a trained draft, a vLLM engine)
+# are built once; the tests of a vLLM server that several modules share, so that one worker starts
+# it, once; and the tests of the registered deployments (a minute to register).
+SHARED_SERVERS = {
+    "served_draft": "vllm-served-draft",
+    "served_two_layer_draft": "vllm-served-draft",
+    "served_moe_draft": "vllm-served-draft",
+    "extraction_server": "vllm-extraction",
+    "moe_extraction_server": "vllm-extraction",
+    "deployments": "deployments",
+}
+# The longest groups, handed out first, longest first (measured on 2 cores): a worker that took one
+# of them last would run on alone long after the others had finished.
+LONGEST_GROUPS = [
+    "tests/flows/test_default_smollm2.py",  # the README's default run, SmolLM2 at full size: 4-11 min
+    "vllm-served-draft",  # three vLLM servers, each serving a draft the pipeline trains first
+    "tests/eagle3/test_vllm_engine.py",  # five vLLM engines
+    "tests/eagle3/test_evaluate.py",
+    "tests/eagle3/test_training_resume.py",
+    "tests/eagle3/test_train_export.py",
+    "vllm-extraction",  # two extracting vLLM servers
+    "deployments",
+    "tests/flows/test_termination.py",
+]
+GROUPS_DIR = "EAGLE3_TEST_GROUPS_DIR"  # where each xdist worker writes the group of every test it collected
+
+
+def group_of(item) -> str:
+    """The xdist group of a collected test."""
+    used = set(item.fixturenames)
+    if callspec := getattr(item, "callspec", None):  # `request.getfixturevalue(param)`: a fixture named by a parameter
+        used |= {value for value in callspec.params.values() if isinstance(value, str)}
+    return next((group for fixture, group in SHARED_SERVERS.items() if fixture in used), item.nodeid.split("::", 1)[0])
+
+
+def pytest_configure(config):
+    if "PYTEST_XDIST_WORKER" not in os.environ and config.getoption("dist", "no") == "loadgroup":
+        os.environ[GROUPS_DIR] = tempfile.mkdtemp(prefix="eagle3-test-groups-")  # before the workers start
+
+
+def pytest_unconfigure(config):
+    if "PYTEST_XDIST_WORKER" not in os.environ and GROUPS_DIR in os.environ:
+        shutil.rmtree(os.environ.pop(GROUPS_DIR), ignore_errors=True)
+
+
 def pytest_collection_modifyitems(items):
-    """Tests of the `vllm` marker run last: the session's vLLM servers (1.7 GB each, their own
-    engine processes) then start once the rest is done and share the CPUs with nothing heavier.
-    A test that starts a server (`vllm`, `e2e`) is `slow`: out of the fast lane."""
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+    """A test that starts a server (`vllm`, `e2e`) is `slow`: out of the fast lane.
+
+    In one process, tests of the `vllm` marker run last: the session's vLLM servers (1.7 GB each,
+    their own engine processes) then start once the rest is done and share the CPUs with nothing
+    heavier. On xdist's workers the longest groups come first instead (`--no-loadscope-reorder`
+    keeps this order)."""
     for item in items:
         if item.get_closest_marker("vllm") or item.get_closest_marker("e2e"):
             item.add_marker(pytest.mark.slow)
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        rank = {group: i for i, group in enumerate(LONGEST_GROUPS)}
+        items.sort(key=lambda item: rank.get(group_of(item), len(rank)))
+    else:
+        items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+
+
+def pytest_collection_finish(session):
+    if (worker := os.environ.get("PYTEST_XDIST_WORKER")) and GROUPS_DIR in os.environ:
+        groups = {item.nodeid: group_of(item) for item in session.items}
+        Path(os.environ[GROUPS_DIR], f"{worker}.json").write_text(json.dumps(groups))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` by `group_of`: pytest-xdist 3.8's own loadgroup renames each test
+    (`item._nodeid`), which pytest 9.2 no longer reads, so its groups are ignored. The controller
+    reads the groups the workers wrote once they have all collected."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    groups: dict[str, str] = {}
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if not groups:
+                for written in Path(os.environ[GROUPS_DIR]).glob("*.json"):
+                    groups.update(json.loads(written.read_text()))
+            return groups.get(nodeid, nodeid.split("::", 1)[0])  # none written: by module, as --dist loadscope
+
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

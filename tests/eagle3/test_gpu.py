@@ -1,4 +1,4 @@
-"""GPU code paths (run on a GPU host: pytest -m gpu)."""
+"""GPU code paths (run on a GPU host, in one process: pytest -m gpu -n 0)."""
 
 from __future__ import annotations
 

@@ -32,6 +32,24 @@ RUN_STATE = ".page-heading-flow-run__meta .state-badge"
 FINAL_STATE = re.compile(r"^(Completed|Failed|Crashed|Cancelled)$")
 
 
+def _submitted_run(deployment_id, timeout_s: float = 60) -> str:
+    """The id of the run the form submitted (the one with the changed learning rate). Not read from the
+    confirmation toast: it shows for a few seconds, which a loaded machine let pass unseen."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+            ours = [run for run in runs if run.parameters.get("config", {}).get("train", {}).get("lr") == CHANGED_LR]
+            if ours:
+                [run] = ours
+                return str(run.id)
+            time.sleep(0.5)
+    raise AssertionError(f"no run of deployment {deployment_id} with train.lr={CHANGED_LR} within {timeout_s} s of submitting the form")
+
+
 def _require(available: bool, reason: str) -> None:
     """Skip where the browser is missing, except under CI, where setup.sh installs it and a skip would hide that."""
     if available:
@@ -165,12 +183,8 @@ def test_a_custom_run_from_the_ui_completes_and_shows_its_artifacts(
     _form_property(_form_property(page, "train"), "lr").scroll_into_view_if_needed()
     screenshot("02-custom-run-form")
     page.get_by_role("button", name="Submit").click()
-    # The confirmation toast is mounted twice, one copy over the other: take the run's name from it and
-    # follow the run from the deployment page instead.
-    run_name = page.locator(".toast-flow-run-create__message--emphasized").first.inner_text()
-    page.get_by_role("link", name=run_name, exact=True).first.click()
-    page.wait_for_url(re.compile(r"/runs/flow-run/[0-9a-f-]{36}$"))
-    run_id = page.url.rsplit("/", 1)[-1]
+    run_id = _submitted_run(deployments["train-on-demand"].id)
+    page.goto(f"{ui}/runs/flow-run/{run_id}")
     expect(page.locator(RUN_STATE)).to_be_visible()
     page.wait_for_load_state("networkidle")
     screenshot("03-run-submitted")

@@ -301,11 +301,12 @@ def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried_and_keeps_fini
         regenerate(CFG, prompts, manifest, store, provenance)
 
     done_log = work_dir_path(store, "regenerated", provenance.key) / "done.jsonl"
-    assert [json.loads(line)["id"] for line in done_log.read_text().splitlines()] == ["c"]
+    # The one-turn records are batched before the two-turn one (batch_order), so both were finished
+    assert [json.loads(line)["id"] for line in done_log.read_text().splitlines()] == ["c", "a"]
     monkeypatch.delenv(FAULT_OOM_ENV)
     progress = []
     out = regenerate(CFG, prompts, manifest, store, provenance, on_progress=lambda *p: progress.append(p))
-    assert out.num_records == 3 and progress[-1] == (2, 2)
+    assert out.num_records == 3 and progress[-1] == (1, 1)  # only the unfinished record is regenerated
 
 
 def test_an_attempt_in_a_child_process_writes_what_it_writes_in_process(verifier, prompts, tmp_path):

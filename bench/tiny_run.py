@@ -26,7 +26,7 @@ def make_inputs(work: Path) -> tuple[Path, Path]:
     if not (verifier / "config.json").exists():
         tiny_llama(verifier)
     if not conversations.exists():
-        sample = ROOT / "eagle3" / "data" / "sample_conversations.jsonl"
+        sample = ROOT / "tests" / "fixtures" / "conversations.jsonl"
         conversations.write_text("".join(sample.read_text().splitlines(keepends=True)[:40]))
     return verifier, conversations
 

@@ -40,7 +40,7 @@ from tiny_models import (
     tiny_qwen3_vl_moe,
 )
 
-SAMPLE = Path(__file__).resolve().parents[1] / "eagle3" / "data" / "sample_conversations.jsonl"
+SAMPLE = Path(__file__).resolve().parent / "fixtures" / "conversations.jsonl"
 
 
 # Under pytest-xdist (pyproject's addopts: `-n`, `--dist loadgroup`) each group of tests runs on
@@ -58,7 +58,7 @@ SHARED_SERVERS = {
 # The longest groups, handed out first, longest first (measured on 2 cores): a worker that took one
 # of them last would run on alone long after the others had finished.
 LONGEST_GROUPS = [
-    "tests/flows/test_default_smollm2.py",  # the README's default run, SmolLM2 at full size: 4-11 min
+    "tests/flows/test_default_smollm2.py",  # the README's default run, SmolLM2 at full size: 7 min alone
     "vllm-served-draft",  # three vLLM servers, each serving a draft the pipeline trains first
     "tests/eagle3/test_vllm_engine.py",  # five vLLM engines
     "tests/eagle3/test_evaluate.py",

@@ -26,7 +26,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", 
 
 
 def sample_texts() -> list[str]:
-    path = Path(__file__).resolve().parents[1] / "eagle3" / "data" / "sample_conversations.jsonl"
+    path = Path(__file__).resolve().parent / "fixtures" / "conversations.jsonl"
     texts = []
     for line in path.read_text().splitlines():
         texts.extend(m["content"] for m in json.loads(line)["messages"])

@@ -95,7 +95,7 @@ def test_a_measured_extraction_in_the_store_gives_the_extraction_time(tiny_verif
     verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)  # memoises the verifier's digest
     dataset = prepare_dataset(
         DatasetConfig(max_seq_len=128, max_records=8),
-        Path(__file__).parents[2] / "eagle3/data/sample_conversations.jsonl",
+        Path(__file__).parents[1] / "fixtures" / "conversations.jsonl",
         load_tokenizer(verifier.path),
         store,
         Provenance(),

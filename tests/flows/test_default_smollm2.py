@@ -41,7 +41,7 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     assert (verifier["num_hidden_layers"], verifier["hidden_size"], verifier["vocab_size"]) == (30, 576, 49152)
     check_pinned("verifier", fingerprint_tree(Path(verifier["path"]), tmp_path))  # the GGUF file's dequantized directory
     dataset = manifests["dataset"]
-    assert dataset["num_records"] == 64 and dataset["dropped"] == {}
+    assert dataset["num_records"] == 32 and dataset["dropped"] == {}
     assert 0 < dataset["num_supervised_tokens"] < dataset["num_tokens"]
     assert manifests["hidden_states"]["aux_layer_ids"] == [2, 15, 27]
     config = json.loads((checkpoint / "config.json").read_text())

@@ -158,6 +158,14 @@ def batch_order(records: list[Record]) -> list[Record]:
     return sorted(records, key=lambda r: (len(r[2]), len(r[2][0])))
 
 
+def records_named(records: list[str], shown: int = 5) -> str:
+    """Records for a message: a short list whole, a batch of thousands by its count and first ids
+    (the back-off's `at` keeps every id; a warning line of 2,000 ids helps nobody)."""
+    if len(records) <= shown:
+        return f"records {records}"
+    return f"{len(records)} records ({', '.join(map(repr, records[:shown]))}, ...)"
+
+
 class RegenerateAttempt(BaseModel):
     """One attempt of the transformers backend: what crosses into its child process."""
 
@@ -193,7 +201,7 @@ def _transformers_attempt(spec: RegenerateAttempt, on_progress: Progress) -> Out
                     answers = _answer_batch(model, tokenizer, batch, spec.cfg, device)
                 except torch.OutOfMemoryError as exc:
                     records = [record_id for record_id, _, _ in batch]
-                    return OutOfMemory(error=str(exc).splitlines()[0], where=f"on records {records}", at={"records": records})
+                    return OutOfMemory(error=str(exc).splitlines()[0], where=f"on {records_named(records)}", at={"records": records})
                 for entry in answers:
                     append_done(log, entry)
                 on_progress(len(batch))

@@ -21,6 +21,7 @@ from eagle3.data.regenerate import (
     _answer_text,
     _transformers_attempt,
     batch_order,
+    records_named,
     regenerate,
 )
 from eagle3.evaluation.speculative import greedy_decode
@@ -117,6 +118,11 @@ def test_conversations_are_batched_with_others_of_as_many_turns_shortest_first_t
     order = [record_id for record_id, _, _ in batch_order(records)]
 
     assert order == ["one-short", "one-long", "chat-short", "chat-long", "three"]
+
+
+def test_a_back_off_names_a_few_records_whole_and_a_big_batch_by_count_and_first_ids():
+    assert records_named(["81"]) == "records ['81']"
+    assert records_named([f"r{i}" for i in range(2000)]) == "2000 records ('r0', 'r1', 'r2', 'r3', 'r4', ...)"
 
 
 def test_regenerated_turns_are_the_verifiers_greedy_answers_in_order(verifier, prompts):

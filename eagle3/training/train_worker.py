@@ -136,6 +136,7 @@ def speculators_train_config(spec: TrainSpec):
     from speculators.train.config import TrainConfig as SpeculatorsTrainConfig
 
     cfg, device = spec.cfg, torch.device(spec.device)
+    readers = 0 if device.type == "cpu" or spec.online_storage else cfg.loader_workers  # online: one verifier, here
     return SpeculatorsTrainConfig.from_flat(
         {
             "verifier_name_or_path": str(spec.verifier_path),
@@ -157,9 +158,7 @@ def speculators_train_config(spec: TrainSpec):
             "train_data_ratio": cfg.train_data_ratio,
             "seed": cfg.seed,
             "on_missing": "raise",
-            "num_workers": 0
-            if device.type == "cpu" or spec.online_storage
-            else cfg.loader_workers,  # online: one verifier, in this process
+            "num_workers": readers,
         }
     )
 

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3.extraction.shards import hs_path
 from eagle3.extraction.storage import SLOTS, encode
 
 
@@ -35,7 +36,7 @@ def read_rate(directory: Path, hidden_size: int, storage: str, tokens: int, file
     generator = torch.Generator().manual_seed(0)
     for i in range(files):
         states = torch.randn(tokens, SLOTS, hidden_size, generator=generator)
-        save_file({**encode(states, storage), "token_ids": torch.arange(tokens)}, str(directory / f"hs_{i}.safetensors"))
+        save_file({**encode(states, storage), "token_ids": torch.arange(tokens)}, str(hs_path(directory, i)))
     transfer = FP8Transfer(directory, dequantize_dtype=torch.bfloat16)
     transfer.get_cached(0)  # warm: page cache, first-call overheads
     start = time.perf_counter()

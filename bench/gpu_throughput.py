@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.config import ExtractConfig
 from eagle3.data.prepare_dataset import DatasetManifest
 from eagle3.extraction.extract_hidden_states import extract_hidden_states, prefill_batches
+from eagle3.extraction.shards import hs_path
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.manifests import Provenance
 from eagle3.verifier.capture import HiddenStateCapture
@@ -180,7 +181,7 @@ def naive(model, aux, ids: list[list[int]], out: Path) -> float:
     for i, sample in enumerate(ids):
         hs = model(input_ids=torch.tensor([sample], device="cuda"), output_hidden_states=True).hidden_states
         states = torch.stack([hs[k] for k in aux] + [hs[-1]], dim=2)[0].cpu()
-        save_file({"hidden_states": states, "token_ids": torch.tensor(sample)}, out / f"hs_{i}.safetensors")
+        save_file({"hidden_states": states, "token_ids": torch.tensor(sample)}, hs_path(out, i))
     elapsed = _sync_time() - start
     return sum(map(len, ids)) / elapsed
 

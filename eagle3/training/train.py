@@ -42,7 +42,7 @@ from pydantic import Field
 
 from eagle3.config import TrainConfig
 from eagle3.data.prepare_dataset import DatasetManifest, load_dataset_table
-from eagle3.extraction.shards import HiddenStatesManifest, hidden_state_files
+from eagle3.extraction.shards import HiddenStatesManifest, hidden_state_files, hs_path
 from eagle3.runtime.attempts import NO_GPU, Backoff, GpuClaim, OutOfMemory, dying_with_parent
 from eagle3.runtime.devices import gpu_memory_used_mib, resolve_device
 from eagle3.runtime.stopwatch import Stopwatch
@@ -166,7 +166,7 @@ def _speculators_data_dir(root: Path, dataset: DatasetManifest, hidden_states: H
     if len(files) != table.num_rows:
         raise ArtifactError(hidden_states.path, f"{len(files)} hidden-state files for {table.num_rows} records")
     for index, path in files.items():
-        os.symlink(path, links / f"hs_{index}.safetensors")
+        os.symlink(path, hs_path(links, index))
     return data_dir
 
 

@@ -20,14 +20,13 @@ __all__ = ["ROOT", "Finished", "git_sha", "make_inputs", "newest_run_record", "r
 
 def make_inputs(work: Path) -> tuple[Path, Path]:
     """The tiny verifier and the conversations file, made once under `work`."""
-    from tiny_models import tiny_llama
+    from tiny_models import SAMPLE, tiny_llama
 
     verifier, conversations = work / "verifier", work / "conversations.jsonl"
     if not (verifier / "config.json").exists():
         tiny_llama(verifier)
     if not conversations.exists():
-        sample = ROOT / "tests" / "fixtures" / "conversations.jsonl"
-        conversations.write_text("".join(sample.read_text().splitlines(keepends=True)[:40]))
+        conversations.write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:40]))
     return verifier, conversations
 
 

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import (
     KIMI_INT4_IGNORE,
     KIMI_INT4_WEIGHTS,
+    SAMPLE,
     compressed_checkpoint,
     tiny_kimi_k25,
     tiny_llama,
@@ -39,9 +40,6 @@ from tiny_models import (
     tiny_qwen3_moe,
     tiny_qwen3_vl_moe,
 )
-
-SAMPLE = Path(__file__).resolve().parent / "fixtures" / "conversations.jsonl"
-
 
 # Under pytest-xdist (pyproject's addopts: `-n`, `--dist loadgroup`) each group of tests runs on
 # one worker: a test module, so that its module-scoped fixtures (a trained draft, a vLLM engine)

@@ -25,10 +25,12 @@ GENERATION = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 
+SAMPLE = Path(__file__).resolve().parent / "fixtures" / "conversations.jsonl"  # the tests' conversations
+
+
 def sample_texts() -> list[str]:
-    path = Path(__file__).resolve().parent / "fixtures" / "conversations.jsonl"
     texts = []
-    for line in path.read_text().splitlines():
+    for line in SAMPLE.read_text().splitlines():
         texts.extend(m["content"] for m in json.loads(line)["messages"])
     return texts
 

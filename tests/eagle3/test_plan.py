@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import SAMPLE
 
 from eagle3.cli import main
 from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, VerifierConfig, load_config
@@ -95,7 +96,7 @@ def test_a_measured_extraction_in_the_store_gives_the_extraction_time(tiny_verif
     verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)  # memoises the verifier's digest
     dataset = prepare_dataset(
         DatasetConfig(max_seq_len=128, max_records=8),
-        Path(__file__).parents[1] / "fixtures" / "conversations.jsonl",
+        SAMPLE,
         load_tokenizer(verifier.path),
         store,
         Provenance(),

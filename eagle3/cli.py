@@ -308,7 +308,7 @@ def _run(args) -> int:
         for problem in problems:
             print(f"eagle3: {problem}", file=sys.stderr)
         return 2
-    from tasks.temporary_server import start_temporary_server
+    from tasks.temporary_server import preload_flow_engine, start_temporary_server
 
     store = Path(config.store_dir).expanduser()
     log_file = store / "logs" / f"run-{datetime.now(UTC):%Y%m%dT%H%M%S}-{os.getpid()}.log"
@@ -320,6 +320,7 @@ def _run(args) -> int:
     from tasks.settings import tracebacks_to
 
     if server is not None:
+        preload_flow_engine()
         server.wait_until_healthy()
     with tracebacks_to(log_file):
         try:

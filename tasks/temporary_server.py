@@ -6,9 +6,10 @@ and the run spent 74-156 s retrying to mark itself crashed on a server that was 
 SIGKILL of the run alone (the kernel's OOM killer) left the server running (202 MB, for good).
 This one is started the way Prefect starts its own (uvicorn over `create_app`, no UI, ephemeral
 services; through `tasks.server_process`, which loads Prefect's server faster) but in its own
-session, so a signal to the run's group reaches only the run, which stops the server last, after Prefect's log and event workers have drained; and the kernel sends
-it SIGTERM the moment the run's process dies, however it dies (PR_SET_PDEATHSIG). A server that
-dies first ends the run within seconds, saying so, instead of leaving it retrying.
+session, so a signal to the run's group reaches only the run, which stops the server last, after
+Prefect's log and event workers have drained; and the kernel sends it SIGTERM the moment the run's
+process dies, however it dies (PR_SET_PDEATHSIG). A server that dies first ends the run within
+seconds, saying so, instead of leaving it retrying.
 """
 
 from __future__ import annotations

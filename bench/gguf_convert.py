@@ -6,13 +6,13 @@
 Runs the verifier step's own conversion (`eagle3.verifier.resolve_verifier._convert_gguf`), once as
 it is (transformers' parses memoized by `eagle3.verifier.gguf_once.parsed_once`) and once with
 `parsed_once` replaced by a block that memoizes nothing (transformers' own behaviour), each in a
-fresh process with torch and transformers imported before the clock starts, and checks that both wrote the same bytes.
+fresh process with torch and transformers imported before the clock starts, and checks that both
+wrote the same bytes (`eagle3.store.artifacts.digest_tree`, as the store digests an artifact).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import subprocess
 import sys
@@ -35,14 +35,8 @@ print(time.perf_counter() - start)
 """
 
 
-def digest(directory: Path) -> str:
-    h = hashlib.sha256()
-    for path in sorted(directory.iterdir()):
-        h.update(path.name.encode() + path.read_bytes())
-    return h.hexdigest()
-
-
 def main() -> None:
+    from eagle3.store.artifacts import digest_tree
     from eagle3.verifier.resolve_verifier import bundled_gguf
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -58,7 +52,7 @@ def main() -> None:
                 [sys.executable, "-c", ONE, str(gguf), str(out), mode], cwd=ROOT, capture_output=True, text=True, check=True
             )
             seconds[mode] = float(run.stdout.strip().splitlines()[-1])
-            digests[mode] = digest(out)
+            digests[mode] = digest_tree(out)
     if digests["as-transformers"] != digests["parsed-once"]:
         raise SystemExit("the two conversions wrote different files")
     print(f"{gguf.name}: dequantized into an HF directory, the same bytes both ways")

@@ -8,9 +8,11 @@ tests' byte-level ChatML tokenizer) and a random-weight EAGLE-3 draft over it (s
 `Eagle3DraftModel`, `--draft-layers`, `--draft-vocab`) decode the package's sample eval prompts on
 the verifier's fastest forward (`eagle3.verifier.forward.forward_for`: CUDA graphs on a GPU):
 plainly greedy, then speculatively at k with each proposer of `eagle3.evaluation.draft_proposer`:
-`eager` (`Eagle3Proposer`, every step launched from Python) and `static` (`StaticEagle3Proposer`:
-fixed KV buffers; on a GPU each round replayed as one CUDA graph). Each decodes one prompt untimed
-first (warm-up, graph captures); every output must equal plain greedy's.
+`eager` (`Eagle3Proposer`, every step launched from Python), `static` (`StaticEagle3Proposer`:
+fixed KV buffers; on a GPU each round replayed as one CUDA graph) and `compiled` (the same, each
+step's layers and head fused by torch.compile before the capture; its compile time is printed).
+Each decodes one prompt untimed first (warm-up, graph captures); every output must equal plain
+greedy's.
 
 The draft is untrained, so nearly every drafted token is rejected: the row's own tokens/s is not a
 trained draft's. What it measures is the cost of a round (the draft's k steps, timed from the call
@@ -177,7 +179,10 @@ def main() -> None:
 
     decode(forward, None, warm_up, args.max_new_tokens, args.k, on.eos_ids)
     rows = {"greedy": decode(forward, None, timed, args.max_new_tokens, args.k, on.eos_ids)}
-    proposers = {"eager": Eagle3Proposer(draft), "static": StaticEagle3Proposer(draft, max_len)}
+    proposers = {"eager": Eagle3Proposer(draft), "static": StaticEagle3Proposer(draft, max_len, compiled=False)}
+    start = time.perf_counter()
+    proposers["compiled"] = StaticEagle3Proposer(draft, max_len, compiled=True)
+    compile_s = time.perf_counter() - start
     for name, proposer in proposers.items():
         decode(forward, proposer, warm_up, args.max_new_tokens, args.k, on.eos_ids)
         rows[name] = decode(forward, proposer, timed, args.max_new_tokens, args.k, on.eos_ids)
@@ -204,11 +209,12 @@ def main() -> None:
         if args.tau and name != "greedy":
             line += f" {row['projected_tokens_per_s']:>7.1f} tok/s, {row['projected_over_greedy']:.2f}x greedy"
         print(line)
-    print(f"static rounds: {static_kind}")
+    print(f"static rounds: {static_kind}; compiling the draft's steps: {compile_s:.1f} s")
     summary = {
         "device": device_name(on.device),
         "verifier_forward": getattr(forward, "kind", type(forward).__name__),
         "static_rounds": static_kind,
+        "compile_s": compile_s,
         "verifier_layers": args.verifier_layers,
         "draft_layers": args.draft_layers,
         "draft_vocab": args.draft_vocab,

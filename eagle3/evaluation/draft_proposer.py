@@ -5,18 +5,22 @@ outputs.
 `Eagle3Proposer` runs each step eagerly on transformers' cache: what a CPU runs. On a GPU that is
 launch-bound (a draft step costs about 3 ms of Python and kernel launches, against 4.8 ms for a
 graphed pass of SmolLM2-135M: `bench/results/`), so `StaticEagle3Proposer` runs the same steps on
-fixed KV buffers and replays each round, all k steps and their argmaxes, as one CUDA graph, as
-`eagle3.verifier.forward.StaticForward` replays the verifier's passes."""
+fixed KV buffers, fused by torch.compile, and replays each round, all k steps and their argmaxes,
+as one CUDA graph, as `eagle3.verifier.forward.StaticForward` replays the verifier's passes."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from transformers import DynamicCache
 
 from eagle3.verifier.capture import HiddenStateCapture
-from eagle3.verifier.forward import FixedCache, StaticForward, aux_states, capture_graph, drop_last
+from eagle3.verifier.forward import FixedCache, StaticForward, aux_states, capture_graph, decode_attention, decode_matmuls, drop_last
 
 __all__ = ["Eagle3Proposer", "StaticEagle3Proposer", "draft_token_accuracy", "proposer_for"]
+
+logger = logging.getLogger(__name__)
 
 
 class Eagle3Proposer:
@@ -98,10 +102,10 @@ class Eagle3Proposer:
     def _to_verifier_ids(self, draft_ids: torch.Tensor) -> list[int]:
         return (draft_ids + self.draft.d2t[draft_ids]).tolist()
 
-    def _chain(self, last_hidden, last_logits, k: int, extend) -> list[torch.Tensor]:
+    def _chain(self, last_hidden, last_logits, k: int, advance) -> list[torch.Tensor]:
         """The k drafted tokens (verifier ids, each a [1] tensor on the device) after step 0's output:
-        each chained step reads the token drafted before it and the state it came from; `extend(hidden,
-        step)` runs the layers over one more position."""
+        each chained step reads the token drafted before it and the state it came from; `advance(hidden,
+        step)` runs the layers over one more position and the head: (the next state, its logits)."""
         draft = self.draft
         tokens = []
         for step in range(k):
@@ -110,7 +114,7 @@ class Eagle3Proposer:
             if step == k - 1:
                 break
             hidden = torch.cat([draft.embed_tokens(tokens[-1][None]), last_hidden], dim=-1)
-            last_hidden, last_logits = self._head(extend(hidden, step))
+            last_hidden, last_logits = advance(hidden, step)
         return tokens
 
     @torch.inference_mode()
@@ -125,11 +129,11 @@ class Eagle3Proposer:
             raise ValueError("propose needs the aux states of the prompt first (observe)")
         n, device = self.positions, self.last.device
 
-        def extend(hidden, step):
-            return self._layers(hidden, None, torch.tensor([[n + 1 + step]], device=device), self.cache)
+        def advance(hidden, step):
+            return self._head(self._layers(hidden, None, torch.tensor([[n + 1 + step]], device=device), self.cache))
 
         last_hidden, last_logits = self._head(self.last)
-        proposal = torch.cat(self._chain(last_hidden, last_logits, k, extend)).tolist()
+        proposal = torch.cat(self._chain(last_hidden, last_logits, k, advance)).tolist()
         drop_last(self.cache, self.cache.get_seq_length() - n)  # the chained steps' entries
         return proposal
 
@@ -149,44 +153,74 @@ class StaticEagle3Proposer(Eagle3Proposer):
     sequence's first, whose step 0 runs over the whole prompt, replays a CUDA graph of the whole
     round for its shape (tokens confirmed since the last round, k): step 0, the k - 1 chained
     steps, their argmaxes and vocabulary mapping on the device, and the chained entries zeroed
-    again; the host reads the k tokens once. A replay runs the kernels the eager round runs."""
+    again; the host reads the k tokens once.
 
-    def __init__(self, draft, max_len: int, graphs: bool | None = None):
+    A graph replays its kernels without Python, but each kernel still costs a few microseconds of
+    GPU time, and an eager draft layer launches dozens of small ones (norms, rotary embedding,
+    residuals). `compiled` (the default beside `graphs`) runs each step's layers and head through
+    `torch.compile` (inductor), which fuses them into a few kernels before the round is captured
+    (on an H100, three steps of a two-layer draft: 0.69 ms against 1.07; `bench/draft_speed.py`).
+    Fused kernels round differently from eager ones, so a compiled draft may now and then propose
+    another token; the verifier checks every draft, so the output does not change. Steps pick the
+    kernels the verifier's decode passes pick (`decode_attention`, `decode_matmuls`)."""
+
+    def __init__(self, draft, max_len: int, graphs: bool | None = None, compiled: bool | None = None):
         device = draft.fc.weight.device
         self.graphs = device.type == "cuda" if graphs is None else graphs
         self.static_cache = FixedCache(max_len)
         self.columns = torch.arange(max_len, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.compiled = self.graphs if compiled is None else compiled
+        self._compiled_step = torch.compile(self._step) if self.compiled else None
         super().__init__(draft)
+        if self.compiled:
+            self._compile()
 
     def reset(self) -> None:
         super().reset()
         self.cache = self.static_cache  # type: ignore[assignment]  # a transformers Cache, as DynamicCache is
         self.static_cache.clear(0)
 
+    @torch.inference_mode()
+    def _compile(self) -> None:
+        """Compile the steps for every shape a round runs them at (step 0 over several positions, a
+        chained step over one: one, two, then any number, as torch.compile specializes) on dummy
+        inputs, so that no decode pays for it; then zero the buffers again. An eager round first
+        allocates the buffers, which a compiled one writes into."""
+        device, dtype = self.columns.device, self.draft.fc.weight.dtype
+        for m, step in ((2, None), (2, self._compiled_step), (3, self._compiled_step)):
+            tokens = torch.zeros(m, dtype=torch.long, device=device)
+            with decode_matmuls(device):
+                self._round(tokens, torch.zeros(m, self.draft.fc.in_features, device=device, dtype=dtype), self.columns[:m], 2, step)
+        self.reset()
+
     def _mask(self, positions: torch.Tensor) -> torch.Tensor:
         dtype = self.draft.fc.weight.dtype
         mask = torch.full((len(positions), len(self.columns)), torch.finfo(dtype).min, dtype=dtype, device=positions.device)
         return mask.masked_fill_(self.columns[None, :] <= positions[:, None], 0.0)[None, None]  # [1, 1, q, max_len]
 
-    def _over(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The layers over `hidden` [1, q, 2H] at buffer `positions` [q]."""
+    def _step(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers over `hidden` [1, q, 2H] at buffer `positions` [q], then the head at the last
+        of them: (the state the next step reads, its logits)."""
         self.static_cache.positions = positions
-        return self._layers(hidden, self._mask(positions), positions[None] + 1, self.static_cache)
+        with decode_attention():
+            hidden = self._layers(hidden, self._mask(positions), positions[None] + 1, self.static_cache)
+        return self._head(hidden[:, -1:])
 
-    def _round(self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    def _round(self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, k: int, step=None) -> torch.Tensor:
         """Step 0 over `tokens` [m] (each after the token whose aux states [m, 3, H] it reads) at
-        `positions` [m], then the chain: the k drafted tokens [k] (verifier ids). Nothing here
-        synchronizes with the host, so a round can be captured whole."""
-        draft = self.draft
+        `positions` [m], then the chain: the k drafted tokens [k] (verifier ids). `step`: what runs
+        each step's layers and head (`_step`, or its compiled form). Nothing here synchronizes with
+        the host, so a round can be captured whole."""
+        draft, step = self.draft, step or self._step
         features = aux.reshape(1, len(tokens), -1)
         if draft.input_norm is not None:
             features = draft.input_norm(features)
         hidden = torch.cat([draft.embed_tokens(tokens[None]), draft.fc(features)], dim=-1)
         n = positions[-1:] + 1  # the first chained step's position
-        last_hidden, last_logits = self._head(self._over(hidden, positions)[:, -1:])
-        drafted = torch.cat(self._chain(last_hidden, last_logits, k, lambda hidden, step: self._over(hidden, n + step)))
+        last_hidden, last_logits = step(hidden, positions)
+        drafted = torch.cat(self._chain(last_hidden, last_logits, k, lambda hidden, i: step(hidden, n + i)))
         self.static_cache.clear_at(n + torch.arange(k - 1, device=n.device))  # the chained steps' entries
         return drafted
 
@@ -195,6 +229,10 @@ class StaticEagle3Proposer(Eagle3Proposer):
         """Raises:
         ValueError: no new aux states since the last round (each verifier pass brings some), or the
             round would outgrow the `max_len` positions."""
+        with decode_matmuls(self.columns.device):
+            return self._propose(context, k)
+
+    def _propose(self, context: list[int], k: int) -> list[int]:
         if not self.aux:
             raise ValueError("propose needs the aux states of the tokens confirmed since the last round")
         aux, self.aux = torch.cat(self.aux), []
@@ -203,14 +241,22 @@ class StaticEagle3Proposer(Eagle3Proposer):
         assert self.positions == len(context) - 1, (self.positions, len(context))
         if self.positions + k - 1 > len(self.columns):
             raise ValueError(f"a draft round at {self.positions} + {k - 1} positions outgrows the KV buffers of {len(self.columns)}")
-        device = self.columns.device
+        device, dtype = self.columns.device, self.draft.fc.weight.dtype
         tokens, positions = torch.tensor(context[start + 1 :], device=device), self.columns[start : start + m]
-        if not (self.graphs and start):  # a sequence's first round (the prompt) has a length of its own: eager
-            return self._round(tokens, aux.to(device, self.draft.fc.weight.dtype), positions, k).tolist()
+        if not start:  # a sequence's first round (the prompt) has a length of its own: eager
+            return self._round(tokens, aux.to(device, dtype), positions, k).tolist()
+        if not self.graphs:
+            return self._round(tokens, aux.to(device, dtype), positions, k, self._compiled_step).tolist()
         graph = self._graphs.get((m, k))
         if graph is None:
-            inputs = {"tokens": tokens, "aux": aux.to(device, self.draft.fc.weight.dtype), "positions": positions.clone()}
-            captured, drafted = capture_graph(lambda: self._round(inputs["tokens"], inputs["aux"], inputs["positions"], k), self._pool)
+            inputs = {"tokens": tokens, "aux": aux.to(device, dtype), "positions": positions.clone()}
+
+            def run():
+                return self._round(inputs["tokens"], inputs["aux"], inputs["positions"], k, self._compiled_step)
+
+            if self.compiled:  # compiles (and tunes its kernels, which synchronizes) before the capture's warm-up forbids that
+                run()
+            captured, drafted = capture_graph(run, self._pool)
             graph = self._graphs[(m, k)] = (captured, inputs, drafted)
         else:
             graph[1]["tokens"].copy_(tokens)
@@ -221,11 +267,16 @@ class StaticEagle3Proposer(Eagle3Proposer):
 
 
 def proposer_for(draft, forward, max_len: int) -> Eagle3Proposer:
-    """The draft's proposer for decoding with `forward`: graphed beside a graphed verifier (a GPU),
-    else eager. `max_len`: the longest sequence decoded."""
-    if isinstance(forward, StaticForward) and forward.graphs:
+    """The draft's proposer for decoding with `forward`: graphed rounds of compiled steps beside a
+    graphed verifier (a GPU; uncompiled steps where torch.compile fails on this draft), else eager.
+    `max_len`: the longest sequence decoded."""
+    if not (isinstance(forward, StaticForward) and forward.graphs):
+        return Eagle3Proposer(draft)
+    try:
         return StaticEagle3Proposer(draft, max_len)
-    return Eagle3Proposer(draft)
+    except Exception:
+        logger.warning("torch.compile failed on the draft's steps: its rounds replay them uncompiled (slower)", exc_info=True)
+        return StaticEagle3Proposer(draft, max_len, compiled=False)
 
 
 @torch.inference_mode()

@@ -6,20 +6,23 @@ transformers' eager forwards launches hundreds of kernels from Python (`bench/de
 measures it). `StaticForward` keeps the KV cache in fixed buffers and passes its own attention
 mask, so every pass of one length runs the same kernels on the same addresses; on CUDA each
 length is captured once as a CUDA graph and replayed. A replay runs the kernels the eager pass
-runs, so it computes what the eager pass computes. `forward_for` uses it on a GPU for verifiers
-whose layers are all full attention and which decode the first prompt as transformers' own cache
-does (`decodes_like_dynamic`); the others (sliding windows, linear attention, layers that cannot
-be captured), and every verifier on a CPU, decode with `DynamicForward`, on transformers' own
-cache and masks.
+runs, so it computes what the eager pass computes. Passes after the prompt's pick kernels made
+for a few queries: math attention (`decode_attention`) and cuBLASLt products (`decode_matmuls`).
+`forward_for` uses it on a GPU for verifiers whose layers are all full attention and which decode
+the first prompt as transformers' own cache does (`decodes_like_dynamic`); the others (sliding
+windows, linear attention, layers that cannot be captured), and every verifier on a CPU, decode
+with `DynamicForward`, on transformers' own cache and masks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Cache, DynamicCache
 
 from eagle3.evaluation.speculative import greedy_decode, speculative_decode
@@ -32,6 +35,8 @@ __all__ = [
     "StaticForward",
     "aux_states",
     "capture_graph",
+    "decode_attention",
+    "decode_matmuls",
     "decodes_like_dynamic",
     "drop_last",
     "forward_for",
@@ -55,6 +60,32 @@ def aux_states(capture: HiddenStateCapture | None) -> torch.Tensor | None: ...
 def aux_states(capture: HiddenStateCapture | None) -> torch.Tensor | None:
     """The last forward's aux states [tokens, 3, H], what an EAGLE-3 draft reads (None without capture)."""
     return capture.stacked()[0, :, :-1].float() if capture else None
+
+
+@contextlib.contextmanager
+def decode_matmuls(device: torch.device):
+    """cuBLASLt for the matrix products of a decode pass on CUDA: for a few rows in float32 cuBLAS
+    picks SIMT kernels that take up to twice as long (on an H100, [4, 576] x [576, 576]: 10.4 us
+    against 4.5; `bench/decode_kernels.py`), the bulk of what a 4-token verifier pass cost over a
+    1-token one. Set around each pass (and its capture: a graph replays the kernels it captured) and
+    restored after."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def decode_attention():
+    """The attention kernels for a pass of a few queries over fixed KV buffers: PyTorch's math
+    backend (matmuls and a softmax). Its fused float32 kernel (memory-efficient attention) walks all
+    `max_len` keys in one block per head: on an H100, 73 us a layer for SmolLM2's shape over 600
+    positions against math's 23 (`bench/decode_kernels.py`), half of a graphed verifier pass."""
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 class DynamicForward:
@@ -162,26 +193,30 @@ class StaticForward:
         self.dtype = next(model.parameters()).dtype
         self.length = 0
         self._graphs: dict[int, _Graph] = {}
+        self._clears: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by positions forgotten
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self.kind = "fixed KV buffers, CUDA graphs" if self.graphs else "fixed KV buffers"
+        self.kind = "fixed KV buffers, CUDA graphs, math attention, cuBLASLt" if self.graphs else "fixed KV buffers, math attention"
 
     def reset(self) -> None:
         """Start a new sequence."""
         self.cache.clear(0)
         self.length = 0
 
-    def _pass(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _pass(self, ids: torch.Tensor, positions: torch.Tensor, decode: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`decode`: a pass after the prompt's, a few queries (`decode_attention`); the prompt's
+        pass keeps PyTorch's choice of kernel."""
         self.cache.positions = positions
         mask = torch.full((len(positions), len(self.columns)), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
         mask.masked_fill_(self.columns[None, :] <= positions[:, None], 0.0)  # [q, max_len], additive: causal over the buffers
-        out = self.model(
-            input_ids=ids, position_ids=positions[None], attention_mask=mask[None, None], past_key_values=self.cache, use_cache=True
-        )
+        with decode_matmuls(self.device), decode_attention() if decode else contextlib.nullcontext():
+            out = self.model(
+                input_ids=ids, position_ids=positions[None], attention_mask=mask[None, None], past_key_values=self.cache, use_cache=True
+            )
         return out.logits[0].argmax(-1), aux_states(self.capture)
 
     def _capture(self, ids: torch.Tensor, positions: torch.Tensor) -> _Graph:
         """Capture the pass of `ids` at `positions` (its warm-up writes the same K/V the replay writes)."""
-        graph, (argmax, aux) = capture_graph(lambda: self._pass(ids, positions), self._pool)
+        graph, (argmax, aux) = capture_graph(lambda: self._pass(ids, positions, decode=True), self._pool)
         return _Graph(graph, ids, positions, argmax, aux)
 
     def __call__(self, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:
@@ -196,7 +231,7 @@ class StaticForward:
         tokens = torch.tensor([ids], device=self.device)
         positions = self.columns[start : start + q]
         if not (self.graphs and start):  # a sequence's first pass (the prompt) has a length of its own: eager
-            argmax, aux = self._pass(tokens, positions)
+            argmax, aux = self._pass(tokens, positions, decode=start > 0)
         else:
             graph = self._graphs.get(q)
             if graph is None:
@@ -210,12 +245,26 @@ class StaticForward:
         return argmax.tolist(), aux
 
     def rollback(self, n: int) -> None:
-        """Forget the last `n` tokens."""
+        """Forget the last `n` tokens: zero their entries (every position past the sequence stays
+        zero, see `FixedCache.clear`). On CUDA a captured graph zeroes them in every layer's
+        buffers: one launch where a buffer at a time takes two for each layer, on the host's time
+        between passes."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot forget {n} of {self.length} tokens")
         self.length -= n
-        if n:
-            self.cache.clear(self.length)
+        if not n:
+            return
+        forgotten = self.columns[self.length : self.length + n]
+        if not self.graphs:
+            self.cache.clear_at(forgotten)
+            return
+        graph = self._clears.get(n)
+        if graph is None:
+            positions = forgotten.clone()
+            graph = self._clears[n] = (capture_graph(lambda: self.cache.clear_at(positions), self._pool)[0], positions)
+        else:
+            graph[1].copy_(forgotten)
+        graph[0].replay()
 
 
 def full_attention_only(config) -> bool:

@@ -177,10 +177,12 @@ def test_step_0_extended_round_by_round_proposes_what_step_0_over_the_whole_cont
         confirmed += accepted + 1
 
 
-def test_the_draft_on_fixed_buffers_proposes_what_it_proposes_on_transformers_cache(exported, verifier_model):
-    """`StaticEagle3Proposer`'s rounds (eager here, as a GPU's graphs replay them) draft what
-    `Eagle3Proposer`'s draft, round after round with 1 to k + 1 tokens confirmed between them: the
-    fixed buffers, positions, mask and the zeroed chained entries change nothing but speed."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-rounds", "compiled-rounds"])
+def test_the_draft_on_fixed_buffers_proposes_what_it_proposes_on_transformers_cache(exported, verifier_model, compiled):
+    """`StaticEagle3Proposer`'s rounds (eager or through torch.compile here, as a GPU's graphs replay
+    them) draft what `Eagle3Proposer`'s draft, round after round with 1 to k + 1 tokens confirmed
+    between them: the fixed buffers, positions, mask, the zeroed chained entries and the fused
+    kernels change nothing but speed (in float64, where fusion's rounding cannot flip an argmax)."""
     _store, verifier, _hidden, checkpoint = exported
     model, capture = verifier_model
     draft = load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double()
@@ -188,8 +190,9 @@ def test_the_draft_on_fixed_buffers_proposes_what_it_proposes_on_transformers_ca
     with torch.no_grad():
         model(input_ids=torch.tensor([sequence]))
     aux = capture.stacked()[0, :, :-1]
-    eager, static, confirmed = Eagle3Proposer(draft), StaticEagle3Proposer(draft, len(sequence) + 2), len(PROMPT)
-    assert not static.graphs  # on a CPU
+    static = StaticEagle3Proposer(draft, len(sequence) + 2, compiled=compiled)
+    eager, confirmed = Eagle3Proposer(draft), len(PROMPT)
+    assert not static.graphs and static.compiled == compiled  # on a CPU
     for proposer in (eager, static):
         proposer.observe(aux[:confirmed])
 

@@ -120,19 +120,22 @@ def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_
     reference = greedy_decode(forward, prompt, 32, set())
     assert isinstance(forward, StaticForward) and forward.graphs
     graphed = proposer_for(draft_model, forward, len(prompt) + 32 + 5)
-    assert isinstance(graphed, StaticEagle3Proposer) and graphed.graphs
+    assert isinstance(graphed, StaticEagle3Proposer) and graphed.graphs and graphed.compiled
     for proposer in (Eagle3Proposer(draft_model), graphed):
         for k in (1, 3, 5):
             assert speculative_decode(forward, proposer, prompt, 32, k, set()).tokens == reference.tokens
 
-    # A replayed round drafts what the same round run eagerly drafts, round after round.
-    eager = StaticEagle3Proposer(draft_model, len(prompt) + 40, graphs=False)
-    drafted = {}
-    for proposer in (graphed, eager):
-        with torch.inference_mode():  # as decoding runs: the buffers are inference tensors
-            drafted[proposer] = _rounds(forward, proposer, prompt)
-    assert drafted[graphed] == drafted[eager]
-    assert graphed._graphs, "rounds after the first replay graphs"
+    # A replayed round drafts what the same round run without a graph drafts, round after round,
+    # with its steps compiled or not (compiled against eager steps may round an argmax apart).
+    for compiled in (False, True):
+        replayed = StaticEagle3Proposer(draft_model, len(prompt) + 40, compiled=compiled)
+        direct = StaticEagle3Proposer(draft_model, len(prompt) + 40, graphs=False, compiled=compiled)
+        drafted = {}
+        for proposer in (replayed, direct):
+            with torch.inference_mode():  # as decoding runs: the buffers are inference tensors
+                drafted[proposer] = _rounds(forward, proposer, prompt)
+        assert drafted[replayed] == drafted[direct], compiled
+        assert replayed._graphs, "rounds after the first replay graphs"
 
 
 def _rounds(forward, proposer, prompt: list[int]) -> list[list[int]]:
@@ -170,7 +173,7 @@ def test_cuda_graph_replays_compute_what_eager_passes_compute(tiny_verifier):
     for (argmax, aux), (expected_argmax, expected_aux) in zip(graphed_passes, eager_passes, strict=True):
         assert argmax == expected_argmax
         assert torch.equal(aux, expected_aux)
-    assert sorted(graphed._graphs) == [1, 4]
+    assert sorted(graphed._graphs) == [1, 4] and sorted(graphed._clears) == [2]
     expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False, eos_token_id=None)[
         0, len(prompt) :
     ]

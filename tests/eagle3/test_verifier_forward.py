@@ -61,10 +61,12 @@ def test_entries_a_rollback_forgets_cannot_reach_later_passes_even_as_nan(model)
     forward = StaticForward(model, None, 32)
     forward(PROMPT)
     forward([41, 42, 43])
-    for buffer in (*forward.cache.keys.values(), *forward.cache.values.values()):
-        buffer[:, :, len(PROMPT) + 1 :] = float("nan")  # what an overflow in a rejected draft would leave
+    buffers = (*forward.cache.keys.values(), *forward.cache.values.values())
+    for buffer in buffers:
+        buffer[:, :, len(PROMPT) + 1 : len(PROMPT) + 3] = float("nan")  # what an overflow in the two drafts rejected would leave
 
     forward.rollback(2)
+    assert not any(buffer[:, :, len(PROMPT) + 1 :].any() for buffer in buffers)  # every position past the sequence is zero
     argmax, _ = forward([44])
 
     with torch.inference_mode():
@@ -85,8 +87,8 @@ def test_fixed_buffers_decode_a_full_attention_verifier_as_its_dynamic_cache_doe
 
 
 def test_fixed_buffers_that_misplace_positions_are_found_out(model, monkeypatch, caplog):
-    def one_position_late(self, ids, positions):  # a fault injected where an architecture could misread our positions
-        return honest(self, ids, positions + 1)
+    def one_position_late(self, ids, positions, decode):  # a fault injected where an architecture could misread our positions
+        return honest(self, ids, positions + 1, decode)
 
     honest = StaticForward._pass
     monkeypatch.setattr(StaticForward, "_pass", one_position_late)

@@ -77,7 +77,12 @@ def _config(args) -> int:
     config = load_config(args.config, args.overrides)
     for doc in field_docs(config):
         set_to = "" if doc.value == doc.default else f"   (default: {doc.default!r})"
-        key = {"value": "in the cache key", "content": "in the cache key by content", "no": "not in the cache key"}[doc.cache_key]
+        key = {
+            "value": "in the cache key",
+            "when set": "in the cache key when set",
+            "content": "in the cache key by content",
+            "no": "not in the cache key",
+        }[doc.cache_key]
         print(f"{doc.name} = {doc.value!r}{set_to}")
         marker = f"[{key}]".replace(" ", "\N{NO-BREAK SPACE}")  # never split over two lines
         text = textwrap.fill(f"{doc.description} {marker}", width=100, initial_indent="    ", subsequent_indent="    ")

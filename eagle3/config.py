@@ -3,7 +3,9 @@
 Fields marked ``affects_output=False`` (batch sizes, devices, locations) are left out of cache
 keys: changing them re-uses every cached artifact. So are fields the step ignores on this host
 (`_Group.ignored_here`). Everything else shapes an artifact and is part of the key of the step
-that reads it.
+that reads it. A field added to a step after its artifacts were cached (``_ADDED``) joins the key
+only when set away from its default, which computes what the step computed before it existed: adding
+an option re-runs nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
 
 _NO_KEY: JsonDict = {"affects_output": False}
 _BY_CONTENT: JsonDict = {"affects_output": False, "keyed_by_content": True}  # a path: the steps key what it holds, not where
+_ADDED: JsonDict = {"keyed_when_set": True}  # keyed only away from its default, the behaviour from before the field
 Device = Literal["auto", "cpu", "cuda"]  # auto: CUDA where visible; a GPU step claims its devices itself (tasks/gpu.py)
 
 
@@ -400,6 +403,12 @@ class TrainConfig(_Group):
     loss_fn: Literal["kl_div", "ce", "tv"] = Field("kl_div", description="Loss against the verifier's distribution.")
     optimizer: Literal["adamw", "muon"] = Field("adamw", description="Optimizer (speculators' implementations).")
     num_layers: int = Field(1, ge=1, description="Draft decoder layers.")
+    fc_norm: bool = Field(
+        False,
+        description="EAGLE 3.1: normalize each aux hidden state on its own (one RMSNorm per layer) before the fc "
+        "projection, instead of one RMSNorm over their concatenation (speculators' norm_before_fc).",
+        json_schema_extra=_ADDED,
+    )
     total_seq_len: int = Field(
         2048, ge=16, description="Tokens packed into one training batch; refused if below a record's last supervised token."
     )
@@ -576,9 +585,12 @@ def output_affecting(group: BaseModel) -> dict[str, Any]:
     out = {}
     ignored = group.ignored_here() if isinstance(group, _Group) else set()
     for name, field in type(group).model_fields.items():
-        if not _key_markers(field).get("affects_output", True) or name in ignored:
+        markers = _key_markers(field)
+        if not markers.get("affects_output", True) or name in ignored:
             continue
         value = getattr(group, name)
+        if markers.get("keyed_when_set") and value == field.get_default(call_default_factory=True):
+            continue
         out[name] = output_affecting(value) if isinstance(value, BaseModel) else group.model_dump(mode="json", include={name})[name]
     return out
 
@@ -589,7 +601,7 @@ class FieldDoc(NamedTuple):
     name: str  # dotted, as an override names it: train.lr
     value: Any  # resolved (the default unless set)
     default: Any
-    cache_key: str  # 'value', 'content' (a path: what the file holds) or 'no' (batch sizes, devices, locations)
+    cache_key: str  # 'value', 'when set' (away from its default), 'content' (a path: what the file holds) or 'no'
     description: str
 
 
@@ -604,6 +616,8 @@ def _key_markers(field: FieldInfo) -> JsonDict:
 def _cache_key_role(extra: JsonDict) -> str:
     if extra.get("keyed_by_content"):
         return "content"
+    if extra.get("keyed_when_set"):
+        return "when set"
     return "value" if extra.get("affects_output", True) else "no"
 
 

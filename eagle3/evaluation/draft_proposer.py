@@ -35,10 +35,10 @@ class Eagle3Proposer:
     """
 
     def __init__(self, draft):
-        if draft.fc_norm is not None or draft.sliding_window_indices:
+        if draft.sliding_window_indices:
             raise ValueError(
-                "this draft uses fc_norm or sliding-window layers, which the evaluation's own decoding does not "
-                "run; measure it with evaluate.backend=vllm"
+                "this draft has sliding-window layers, which the evaluation's own decoding does not run; "
+                "measure it with evaluate.backend=vllm"
             )
         self.draft = draft.eval()
         self.reset()
@@ -73,6 +73,16 @@ class Eagle3Proposer:
             return hidden, draft.lm_head(hidden)
         return hidden, draft.lm_head(draft.norm(hidden))
 
+    def _features(self, aux: torch.Tensor) -> torch.Tensor:
+        """The fc projection of aux states [1, m, 3H] to [1, m, H], after the draft's norms: one over
+        the concatenation (norm_before_fc) or one per layer (EAGLE 3.1's fc_norm), as training runs them."""
+        draft = self.draft
+        if draft.input_norm is not None:
+            aux = draft.input_norm(aux)
+        if draft.fc_norm is not None:
+            aux = torch.cat([norm(part) for norm, part in zip(draft.fc_norm, aux.chunk(len(draft.fc_norm), dim=-1), strict=True)], dim=-1)
+        return draft.fc(aux)
+
     def _step_0(self, tokens: list[int], aux: torch.Tensor, start: int, cache):
         """TTT step 0 at positions start+1 .. start+m, after the `start` ones in `cache`: at the
         position of tokens[i] the draft reads embed(tokens[i]) and fc(aux[i]), the aux states of
@@ -80,12 +90,9 @@ class Eagle3Proposer:
         draft = self.draft
         m = aux.shape[0]
         assert m == len(tokens), (m, len(tokens))
-        features = aux.reshape(1, m, -1).to(
-            draft.fc.weight.device, draft.fc.weight.dtype
-        )  # a spread verifier's last layer may sit elsewhere
-        if draft.input_norm is not None:
-            features = draft.input_norm(features)
-        features = draft.fc(features)  # [1, m, H]
+        features = self._features(
+            aux.reshape(1, m, -1).to(draft.fc.weight.device, draft.fc.weight.dtype)  # a spread verifier's last layer may sit elsewhere
+        )
         ids = torch.tensor([tokens], device=features.device)
         hidden = torch.cat([draft.embed_tokens(ids), features], dim=-1)
         position_ids = torch.arange(start + 1, start + m + 1, device=features.device).unsqueeze(0)
@@ -214,10 +221,7 @@ class StaticEagle3Proposer(Eagle3Proposer):
         each step's layers and head (`_step`, or its compiled form). Nothing here synchronizes with
         the host, so a round can be captured whole."""
         draft, step = self.draft, step or self._step
-        features = aux.reshape(1, len(tokens), -1)
-        if draft.input_norm is not None:
-            features = draft.input_norm(features)
-        hidden = torch.cat([draft.embed_tokens(tokens[None]), draft.fc(features)], dim=-1)
+        hidden = torch.cat([draft.embed_tokens(tokens[None]), self._features(aux.reshape(1, len(tokens), -1))], dim=-1)
         n = positions[-1:] + 1  # the first chained step's position
         last_hidden, last_logits = step(hidden, positions)
         drafted = torch.cat(self._chain(last_hidden, last_logits, k, lambda hidden, i: step(hidden, n + i)))

@@ -145,6 +145,8 @@ def speculators_train_config(spec: TrainSpec):
             "target_layer_ids": spec.aux_layer_ids,
             "draft_vocab_size": spec.vocab.draft_vocab_size,
             "num_layers": cfg.num_layers,
+            "norm_before_fc": not cfg.fc_norm,  # speculators' default for EAGLE-3, or EAGLE 3.1's per-layer norms
+            "fc_norm": cfg.fc_norm,
             "full_attention_indices": list(range(cfg.num_layers)),
             "draft_attn_impl": trainer_compat.draft_attn_impl(device),
             "loss_fn": cfg.loss_fn,

@@ -53,6 +53,16 @@ def exported(tiny_verifier, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def exported_fc_norm(exported):
+    """A draft with EAGLE 3.1's per-layer norms of the aux states (train.fc_norm), on `exported`'s store and data."""
+    store, verifier, hidden, _ = exported
+    dataset = prepare_dataset(DatasetConfig(max_seq_len=256), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
+    vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=512), dataset, verifier.vocab_size, store, Provenance())
+    draft = train_draft(TrainConfig(epochs=1, total_seq_len=512, fc_norm=True), dataset, hidden, vocab, verifier, store, Provenance())
+    return store, verifier, hidden, export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
+
+
+@pytest.fixture(scope="module")
 def verifier_model(exported):
     _, verifier, _, _ = exported
     model = load_text_model(verifier.path, torch.float64, "cpu")
@@ -110,13 +120,18 @@ def test_acceptance_is_counted_per_verifier_pass(verifier_model):
     assert nothing.accepted_per_pass == [0] * 24
 
 
-def test_every_drafted_token_matches_its_training_forward(exported, verifier_model):
+@pytest.mark.parametrize("norms", ["norm_before_fc", "fc_norm"])
+def test_every_drafted_token_matches_its_training_forward(norms, request, verifier_model):
     """Each step of a k-token chain computes what the training-time forward computes at that TTT
     step: run on the context followed by the chain (which is what teacher forcing feeds each later
-    step), the training forward gives the same logits at the context's last position."""
-    _store, verifier, _hidden, checkpoint = exported
+    step), the training forward gives the same logits at the context's last position. With either
+    normalization of the aux states: one norm over their concatenation, or EAGLE 3.1's per layer."""
+    _store, verifier, _hidden, checkpoint = request.getfixturevalue("exported_fc_norm" if norms == "fc_norm" else "exported")
     model, capture = verifier_model
     draft = load_draft(checkpoint.path, verifier.path, torch.device("cpu")).double()
+    exported_config = json.loads((checkpoint.path / "config.json").read_text())
+    assert (exported_config["fc_norm"], exported_config["norm_before_fc"]) == (norms == "fc_norm", norms == "norm_before_fc")
+    assert (draft.fc_norm is not None, draft.input_norm is not None) == (norms == "fc_norm", norms == "norm_before_fc")
     logits = []
     hook = draft.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[0]))
     context = [*PROMPT, 900]

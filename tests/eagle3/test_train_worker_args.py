@@ -1,4 +1,4 @@
-"""The settings an attempt hands speculators' trainer: here, who reads the hidden-state files."""
+"""The settings an attempt hands speculators' trainer: who reads the hidden-state files, how the aux states are normalized."""
 
 from __future__ import annotations
 
@@ -41,3 +41,15 @@ def test_cpu_and_online_attempts_read_in_their_own_process():
 
 def test_the_number_of_readers_stays_out_of_the_draft_key():
     assert output_affecting(TrainConfig(loader_workers=12)) == output_affecting(TrainConfig())
+
+
+def test_eagle_3_1_fc_norm_replaces_the_norm_over_the_concatenated_states():
+    assert (_flat("cpu")["norm_before_fc"], _flat("cpu")["fc_norm"]) == (True, False)  # speculators' EAGLE-3 default
+    assert (_flat("cpu", fc_norm=True)["norm_before_fc"], _flat("cpu", fc_norm=True)["fc_norm"]) == (False, True)
+
+
+def test_fc_norm_joins_the_draft_key_only_when_set():
+    """Added after drafts were cached: at its default it computes what training computed before it
+    existed, so the key stays the one pinned then (tests/tasks/test_cache_keys.py); set, it is keyed."""
+    assert "fc_norm" not in output_affecting(TrainConfig())
+    assert output_affecting(TrainConfig(fc_norm=True))["fc_norm"] is True

@@ -12,7 +12,8 @@ plainly greedy, then speculatively at k with each proposer of `eagle3.evaluation
 fixed KV buffers; on a GPU each round replayed as one CUDA graph) and `compiled` (the same, each
 step's layers and head fused by torch.compile before the capture; its compile time is printed).
 Each decodes one prompt untimed first (warm-up, graph captures); every output must equal plain
-greedy's.
+greedy's. The random draft has no norm before its fc layer (trained drafts do: one fused kernel more);
+`--fc-norm` gives it EAGLE 3.1's per-layer norms instead.
 
 The draft is untrained, so nearly every drafted token is rejected: the row's own tokens/s is not a
 trained draft's. What it measures is the cost of a round (the draft's k steps, timed from the call
@@ -75,8 +76,9 @@ def random_verifier(out: Path, layers: int) -> Path:
     return out
 
 
-def random_draft(verifier: Path, aux: list[int], layers: int, draft_vocab: int):
-    """A speculators EAGLE-3 draft with random weights; its vocabulary: the verifier's first `draft_vocab` ids."""
+def random_draft(verifier: Path, aux: list[int], layers: int, draft_vocab: int, fc_norm: bool = False):
+    """A speculators EAGLE-3 draft with random weights; its vocabulary: the verifier's first `draft_vocab` ids.
+    `fc_norm`: EAGLE 3.1's per-layer norms of the aux states instead of one over their concatenation."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
     layer_config = transformers.AutoConfig.from_pretrained(verifier)
@@ -89,6 +91,7 @@ def random_draft(verifier: Path, aux: list[int], layers: int, draft_vocab: int):
         d2t=torch.zeros(draft_vocab, dtype=torch.long),
         num_layers=layers,
         norm_before_residual=True,
+        fc_norm=fc_norm,
         ttt_steps=3,
         verifier_name_or_path=str(verifier),
         draft_vocab_size=draft_vocab,
@@ -160,6 +163,7 @@ def main() -> None:
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--draft-vocab", type=int, default=16384)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--fc-norm", action="store_true", help="a draft with EAGLE 3.1's per-layer norms (train.fc_norm)")
     parser.add_argument("--tau", type=float, help="project tokens/s for a trained draft of this measured tau")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -171,7 +175,11 @@ def main() -> None:
         prompts = chat_prompts(verifier, read_prompts(source, args.num_prompts + 1), source)
         on = DecodingModel.load(verifier, prompts, "auto", args.dtype)
         aux = resolve_aux_layer_ids(None, verifier.num_hidden_layers, verifier.path)
-        draft = random_draft(verifier.path, aux, args.draft_layers, args.draft_vocab).to(on.device, getattr(torch, args.dtype)).eval()
+        draft = (
+            random_draft(verifier.path, aux, args.draft_layers, args.draft_vocab, args.fc_norm)
+            .to(on.device, getattr(torch, args.dtype))
+            .eval()
+        )
     capture = HiddenStateCapture(on.model.get_decoder(), aux)
     max_len = max(map(len, on.prompts)) + args.max_new_tokens + args.k
     forward = on.forward(capture, args.max_new_tokens)
@@ -218,6 +226,7 @@ def main() -> None:
         "verifier_layers": args.verifier_layers,
         "draft_layers": args.draft_layers,
         "draft_vocab": args.draft_vocab,
+        "fc_norm": args.fc_norm,
         "num_prompts": len(timed),
         "max_new_tokens": args.max_new_tokens,
         "k": args.k,

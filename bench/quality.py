@@ -204,22 +204,13 @@ def _named_files(items: list[str], parser: argparse.ArgumentParser) -> dict[str,
     return files
 
 
-def _extra_train_sets(items: list[str], parser: argparse.ArgumentParser) -> dict[str, int]:
-    extra = {}
-    for item in items:
-        name, _, count = item.partition("=")
-        if name not in EXTRA_TRAIN_SETS or not count.isdigit() or int(count) < 1:
-            parser.error(f"--add-train {item}: expected SET=N with SET one of {sorted(EXTRA_TRAIN_SETS)} and N >= 1")
-        extra[name] = int(count)
-    return extra
-
-
-def _prompt_counts(items: list[str], names: list[str], parser: argparse.ArgumentParser) -> dict[str, int]:
+def _counts(flag: str, items: list[str], names: list[str], parser: argparse.ArgumentParser) -> dict[str, int]:
+    """`flag`'s NAME=N items as {NAME: N}, each NAME one of `names` and N >= 1."""
     counts = {}
     for item in items:
         name, _, count = item.partition("=")
         if name not in names or not count.isdigit() or int(count) < 1:
-            parser.error(f"--eval-prompts {item}: expected NAME=N with NAME one of the eval sets run ({names}) and N >= 1")
+            parser.error(f"{flag} {item}: expected NAME=N with NAME one of {sorted(names)} and N >= 1")
         counts[name] = int(count)
     return counts
 
@@ -444,9 +435,9 @@ def main() -> None:
         help="run nothing: report the latest run the store recorded for each eval set (a run cut short reports the sets it finished)",
     )
     args = parser.parse_args()
-    extra = _extra_train_sets(args.add_train, parser)
+    extra = _counts("--add-train", args.add_train, list(EXTRA_TRAIN_SETS), parser)
     own_eval_sets = _named_files(args.eval, parser)
-    prompt_counts = _prompt_counts(args.eval_prompts, [*args.eval_sets, *own_eval_sets], parser)
+    prompt_counts = _counts("--eval-prompts", args.eval_prompts, [*args.eval_sets, *own_eval_sets], parser)
 
     set_prefect_defaults()
     from eagle3.store.files import digest_file

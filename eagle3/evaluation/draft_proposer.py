@@ -258,7 +258,7 @@ class StaticEagle3Proposer(Eagle3Proposer):
             def run():
                 return self._round(inputs["tokens"], inputs["aux"], inputs["positions"], k, self._compiled_step)
 
-            if self.compiled:  # compiles (and tunes its kernels, which synchronizes) before the capture's warm-up forbids that
+            if self.compiled:  # a shape new to torch.compile compiles here (tuning synchronizes): not in the capture's warm-up
                 run()
             captured, drafted = capture_graph(run, self._pool)
             graph = self._graphs[(m, k)] = (captured, inputs, drafted)

@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.evaluation.baseline import device_name
+from eagle3.verifier.forward import capture_graph
 
 ROWS = (1, 2, 4)
 PRODUCTS = {"q/o 576x576": (576, 576), "k/v 576x192": (576, 192), "gate/up 576x1536": (576, 1536), "down 1536x576": (1536, 576)}
@@ -35,18 +36,8 @@ BACKENDS = {"memory-efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBacke
 
 
 def replayed(run, cuda: bool):
-    """`run` as a CUDA graph's replay where there is a GPU (captured after a warm-up), else itself."""
-    if not cuda:
-        return run
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph.replay
+    """`run` as a CUDA graph's replay where there is a GPU (captured as decoding captures), else itself."""
+    return capture_graph(run, None)[0].replay if cuda else run
 
 
 def microseconds(run, repeats: int, cuda: bool) -> float:

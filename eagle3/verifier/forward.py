@@ -6,8 +6,9 @@ transformers' eager forwards launches hundreds of kernels from Python (`bench/de
 measures it). `StaticForward` keeps the KV cache in fixed buffers and passes its own attention
 mask, so every pass of one length runs the same kernels on the same addresses; on CUDA each
 length is captured once as a CUDA graph and replayed. A replay runs the kernels the eager pass
-runs, so it computes what the eager pass computes. Passes after the prompt's pick kernels made
-for a few queries: math attention (`decode_attention`) and cuBLASLt products (`decode_matmuls`).
+runs, so it computes what the eager pass computes. On CUDA every pass multiplies with cuBLASLt
+(`decode_matmuls`), and passes after the prompt's attend with the math backend (`decode_attention`):
+kernels made for a few queries.
 `forward_for` uses it on a GPU for verifiers whose layers are all full attention and which decode
 the first prompt as transformers' own cache does (`decodes_like_dynamic`); the others (sliding
 windows, linear attention, layers that cannot be captured), and every verifier on a CPU, decode
@@ -204,7 +205,7 @@ class StaticForward:
 
     def _pass(self, ids: torch.Tensor, positions: torch.Tensor, decode: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`decode`: a pass after the prompt's, a few queries (`decode_attention`); the prompt's
-        pass keeps PyTorch's choice of kernel."""
+        pass keeps PyTorch's choice of attention kernel. Products use cuBLASLt either way on CUDA."""
         self.cache.positions = positions
         mask = torch.full((len(positions), len(self.columns)), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
         mask.masked_fill_(self.columns[None, :] <= positions[:, None], 0.0)  # [q, max_len], additive: causal over the buffers

@@ -357,8 +357,14 @@ def _estimates(config: PipelineConfig, store_dir: Path, source: Path, records: i
         share = hidden["extracted_shards"] / (hidden["extracted_shards"] + hidden["reused_shards"])
         rate = hidden["num_tokens"] * share / hidden["seconds"]
         out.append(f"extract     {tokens / rate / 3600:,.1f} h at {rate:,.0f} tok/s (artifact {hidden['digest'][:12]})")
-    if config.regenerate.enabled and (regenerated := latest.get("regenerated")) and records:
-        rate = regenerated["num_records"] / regenerated["seconds"]
+    regenerated = latest.get("regenerated")
+    if (
+        config.regenerate.enabled
+        and regenerated
+        and records
+        and (generated := regenerated["num_records"] - regenerated.get("reused_records", 0))
+    ):
+        rate = generated / regenerated["seconds"]  # reused answers took no time
         out.append(f"regenerate  {records / rate / 3600:,.1f} h at {rate:,.2f} records/s (artifact {regenerated['digest'][:12]})")
     if (draft := latest.get("draft")) and draft.get("tokens_per_s"):
         train = config.train

@@ -27,6 +27,6 @@ def regenerate_task(
         claim=verifier_claim(cfg.device, placement),
         placement=placement,
     )
-    numbers = manifest.model_dump(include={"num_records", "num_generated_tokens", "backoffs", "gpu_memory_after_mib"})
+    numbers = manifest.model_dump(include={"num_records", "num_generated_tokens", "reused_records", "backoffs", "gpu_memory_after_mib"})
     publish_step_report(manifest, {**numbers, "failed": len(manifest.failed)})
     return manifest

@@ -24,7 +24,8 @@ the chat template refuses, an empty answer) are listed in the manifest with thei
 silently dropped. Finished records are appended to `done.jsonl` in the work dir as they complete
 (by the attempt itself, in its child process), so a re-run after a crash, an unreachable server or
 an out-of-memory failure regenerates only what is missing; a last line cut short by a kill is
-dropped and its record redone.
+dropped and its record redone. A prompt an earlier regeneration of the same settings answered takes
+that answer (`eagle3.data.earlier_answers`): appending prompts to a file generates only for the new ones.
 Cost: one decode per generated token.
 """
 
@@ -43,6 +44,7 @@ from pydantic import BaseModel, Field
 from tqdm import tqdm
 
 from eagle3.config import RegenerateConfig, VerifierConfig
+from eagle3.data.earlier_answers import CONVERSATIONS, earlier_answers
 from eagle3.data.prepare_dataset import Record, read_user_turns
 from eagle3.runtime.attempts import NO_GPU, Backoff, BatchBackoff, GpuClaim, OutOfMemory, Progress, run_attempt
 from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, inference_mode, resolve_device
@@ -68,7 +70,9 @@ _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 class RegeneratedManifest(ArtifactManifest):
     kind: str = "regenerated"
     num_records: int
-    num_generated_tokens: int
+    num_generated_tokens: int = Field(description="tokens this run generated (reused answers not counted)")
+    reused_records: int = Field(0, description="records answered by an earlier regeneration (`eagle3.data.earlier_answers`)")
+    reused_from: list[str] = Field(default_factory=list, description="digests of the regenerations those answers come from")
     failed: dict[str, str]
     backoffs: list[Backoff] = Field(default_factory=list)
     gpu_memory_after_mib: dict[str, int] | None = Field(
@@ -78,7 +82,7 @@ class RegeneratedManifest(ArtifactManifest):
 
 def regenerated_conversations(manifest: RegeneratedManifest) -> Path:
     """The conversations file of a regeneration artifact: prepare_dataset's input."""
-    return Path(manifest.path) / "conversations.parquet"
+    return Path(manifest.path) / CONVERSATIONS
 
 
 @inference_mode
@@ -363,6 +367,12 @@ def regenerate(
         clock = Stopwatch()  # not counting a wait for another run of this step, or for a GPU
         done_log = work / DONE_LOG
         done = _read_done_logs(work)
+        earlier = earlier_answers(store, provenance, [r for r in records if r[0] not in done])
+        if earlier.entries:
+            logger.info(
+                "regenerate: %d of %d records answered by earlier regenerations %s", len(earlier.entries), len(records), earlier.donors
+            )
+        done |= earlier.entries
         todo = [r for r in records if r[0] not in done]
         backoffs, gpu_memory_after = [], None
         if todo:
@@ -381,7 +391,7 @@ def regenerate(
                     with clock.excluding_wait(claim()) as gpus:
                         backoffs = _regenerate_by_transformers(todo, cfg, verifier, work, gpus, placement, records_done)
                         gpu_memory_after = gpu_memory_used_mib(gpus) if gpus else None
-            done = _read_done_logs(work)
+            done = earlier.entries | _read_done_logs(work)
 
         ok = [done[r[0]] for r in records if "failed" not in done[r[0]]]
         if records and not ok:
@@ -397,7 +407,7 @@ def regenerate(
             pa.table(
                 {"id": [r["id"] for r in ok], "messages": [r["messages"] for r in ok], "finish_reasons": [r["finish_reasons"] for r in ok]}
             ),
-            out / "conversations.parquet",
+            out / CONVERSATIONS,
         )
         manifest = store.publish(
             out,
@@ -406,6 +416,8 @@ def regenerate(
                 path=out,
                 num_records=len(ok),
                 num_generated_tokens=sum(r["tokens"] for r in ok),
+                reused_records=sum(r["id"] in earlier.entries for r in ok),
+                reused_from=earlier.donors,
                 failed={r[0]: done[r[0]]["failed"] for r in records if "failed" in done[r[0]]},
                 backoffs=backoffs,
                 gpu_memory_after_mib=gpu_memory_after,

@@ -23,6 +23,7 @@ from eagle3.data.regenerate import (
     batch_order,
     records_named,
     regenerate,
+    regenerate_provenance,
 )
 from eagle3.evaluation.speculative import greedy_decode
 from eagle3.runtime.attempts import run_attempt
@@ -313,6 +314,50 @@ def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried_and_keeps_fini
     progress = []
     out = regenerate(CFG, prompts, manifest, store, provenance, on_progress=lambda *p: progress.append(p))
     assert out.num_records == 3 and progress[-1] == (1, 1)  # only the unfinished record is regenerated
+
+
+def test_appending_prompts_generates_only_for_the_new_ones_and_publishes_what_a_fresh_run_does(verifier, prompts, tiny_verifier, tmp_path):
+    store, manifest = verifier
+    first = regenerate(CFG, prompts, manifest, store, regenerate_provenance(store, CFG, prompts, manifest))
+    records = [json.loads(line) for line in prompts.read_text().splitlines()]
+    records[0]["id"] = "renamed"  # a record matches on what it asks, not on its id
+    grown = write_jsonl(tmp_path / "grown.jsonl", [*records, {"id": "new", "prompt": "Count to three."}])
+    progress = []
+
+    second = regenerate(
+        CFG, grown, manifest, store, regenerate_provenance(store, CFG, grown, manifest), on_progress=lambda *p: progress.append(p)
+    )
+
+    assert (second.reused_records, second.reused_from, second.num_records) == (3, [first.digest], 4)
+    assert progress[-1] == (1, 1)  # the new record alone was generated
+    assert second.num_generated_tokens < first.num_generated_tokens
+    fresh_store = ArtifactStore(tmp_path / "fresh")
+    fresh_verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), fresh_store)
+    fresh = regenerate(CFG, grown, fresh_verifier, fresh_store, regenerate_provenance(fresh_store, CFG, grown, fresh_verifier))
+    assert fresh.reused_records == 0 and second.digest == fresh.digest  # the same bytes as generating every answer
+
+
+def test_answers_are_reused_only_under_the_same_settings_and_limit_changes_keep_them(verifier, prompts):
+    store, manifest = verifier
+    regenerate(CFG, prompts, manifest, store, regenerate_provenance(store, CFG, prompts, manifest))
+
+    limited = CFG.model_copy(update={"max_records": 2})
+    longer = CFG.model_copy(update={"max_new_tokens": CFG.max_new_tokens + 1})
+
+    assert regenerate(limited, prompts, manifest, store, regenerate_provenance(store, limited, prompts, manifest)).reused_records == 2
+    assert regenerate(longer, prompts, manifest, store, regenerate_provenance(store, longer, prompts, manifest)).reused_records == 0
+
+
+def test_an_earlier_regeneration_that_does_not_read_is_passed_over_and_its_answers_generated_again(verifier, prompts, tmp_path, caplog):
+    store, manifest = verifier
+    first = regenerate(CFG, prompts, manifest, store, regenerate_provenance(store, CFG, prompts, manifest))
+    (first.path / "conversations.parquet").write_bytes(b"not parquet")
+    grown = write_jsonl(tmp_path / "grown.jsonl", [*map(json.loads, prompts.read_text().splitlines()), {"id": "new", "prompt": "Hi"}])
+
+    second = regenerate(CFG, grown, manifest, store, regenerate_provenance(store, CFG, grown, manifest))
+
+    assert second.reused_records == 0 and second.num_records == 4
+    assert "conversations.parquet: an earlier regeneration's answers do not read" in caplog.text
 
 
 def test_an_attempt_in_a_child_process_writes_what_it_writes_in_process(verifier, prompts, tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -53,21 +54,24 @@ def _asked(system: list[dict], users: list[str]) -> str:
     return json.dumps([system, users], sort_keys=True)
 
 
-def _donors(store: ArtifactStore, settings: str) -> list[tuple[str, Path]]:
-    """(digest, directory) of every published regeneration with answer settings `settings`."""
-    found: dict[str, Path] = {}
-    for pointer in sorted((store.root / PUBLISHED).glob("regenerated-*")):
+def _donors(store: ArtifactStore, settings: str) -> Iterator[tuple[str, Path]]:
+    """(digest, directory) of each published regeneration with answer settings `settings`, the
+    latest published first: a dataset that grows run by run finds every earlier answer in its last
+    regeneration, and the older ones are not read."""
+    seen = set()
+    pointers = sorted((store.root / PUBLISHED).glob("regenerated-*"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    for pointer in pointers:
         directory = store.artifact_dir(pointer.read_text())
-        if directory.name in found or not (directory / CONVERSATIONS).exists():  # removed by gc since
+        if directory.name in seen or not (directory / CONVERSATIONS).exists():  # removed by gc since
             continue
+        seen.add(directory.name)
         try:
             record = read_manifest_record(directory / "manifest.json")
         except ArtifactError as exc:
             logger.warning("%s; its answers are not reused", exc)
             continue
         if answer_settings(Provenance.model_validate(record)) == settings:
-            found[directory.name] = directory
-    return sorted(found.items())
+            yield directory.name, directory
 
 
 def earlier_answers(store: ArtifactStore, provenance: Provenance, records: list[Record]) -> EarlierAnswers:
@@ -81,6 +85,8 @@ def earlier_answers(store: ArtifactStore, provenance: Provenance, records: list[
     entries: dict[str, dict] = {}
     donors = []
     for digest, directory in _donors(store, answer_settings(provenance)):
+        if not wanted:
+            break
         path = directory / CONVERSATIONS
         try:
             rows = pq.read_table(path, columns=["messages", "finish_reasons"]).to_pylist()

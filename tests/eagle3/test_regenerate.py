@@ -335,6 +335,9 @@ def test_appending_prompts_generates_only_for_the_new_ones_and_publishes_what_a_
     fresh_verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), fresh_store)
     fresh = regenerate(CFG, grown, fresh_verifier, fresh_store, regenerate_provenance(fresh_store, CFG, grown, fresh_verifier))
     assert fresh.reused_records == 0 and second.digest == fresh.digest  # the same bytes as generating every answer
+    again = write_jsonl(tmp_path / "again.jsonl", [*map(json.loads, grown.read_text().splitlines()), {"id": "newer", "prompt": "Hi"}])
+    third = regenerate(CFG, again, manifest, store, regenerate_provenance(store, CFG, again, manifest))
+    assert (third.reused_records, third.reused_from) == (4, [second.digest])  # the latest holds them all: the first is not read
 
 
 def test_answers_are_reused_only_under_the_same_settings_and_limit_changes_keep_them(verifier, prompts):

@@ -20,11 +20,11 @@ import tempfile
 from pathlib import Path
 
 from eagle3.config import ConfigError, PipelineConfig
+from eagle3.extraction.storage import MIN_FREE_BYTES
 from eagle3.store.artifacts import ArtifactError
 
-__all__ = ["MIN_FREE_BYTES", "REMOTE_CODE_ENV", "check_preflight", "preflight", "storage_problem"]
+__all__ = ["REMOTE_CODE_ENV", "check_preflight", "preflight", "storage_problem"]
 
-MIN_FREE_BYTES = 512 * 2**20  # a floor, not an estimate (`eagle3 plan` estimates): below it even a tiny run fails midway
 REMOTE_CODE_ENV = "EAGLE3_ALLOW_REMOTE_CODE"  # "false": a deployment pins verifier.trust_remote_code off (docs/security.md)
 GGUF_MAGIC = b"GGUF"
 _NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # EFBIG: a file-size limit (ulimit -f), met the same way

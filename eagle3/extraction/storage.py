@@ -21,12 +21,23 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where used: `eagle3 plan` and the flow load this module, torch only where a step runs
     import torch
 
-__all__ = ["ROOM_MARGIN", "SCALES_KEY", "SLOTS", "bytes_per_token", "decode", "encode", "per_token_arithmetic", "room_problem"]
+__all__ = [
+    "MIN_FREE_BYTES",
+    "ROOM_MARGIN",
+    "SCALES_KEY",
+    "SLOTS",
+    "bytes_per_token",
+    "decode",
+    "encode",
+    "per_token_arithmetic",
+    "room_problem",
+]
 
 SLOTS = 4  # 3 aux layers and the final pre-norm state
 SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max: each token's largest value lands on it
 ROOM_MARGIN = 0.05  # token ids (8 B a token), file headers and done.json, on top of the states
+MIN_FREE_BYTES = 512 * 2**20  # a floor, not an estimate (`eagle3 plan` estimates): below it even a tiny run fails midway
 
 
 def bytes_per_token(hidden_size: int, storage: str) -> int:
@@ -47,8 +58,6 @@ def _size(n: float) -> str:
 def room_problem(tokens: int, hidden_size: int, storage: str, free_bytes: int) -> str | None:
     """Why the states of `tokens` tokens would not fit in `free_bytes`, with the numbers and the ways
     out; None when they fit with `ROOM_MARGIN` to spare, and the floor every run needs beside them."""
-    from eagle3.preflight import MIN_FREE_BYTES
-
     need = tokens * bytes_per_token(hidden_size, storage)
     if need * (1 + ROOM_MARGIN) + MIN_FREE_BYTES <= free_bytes:
         return None

@@ -6,7 +6,7 @@
 A random-weight verifier of SmolLM2-135M-Instruct's shape (30 layers, H 576, vocab 49152; the
 tests' byte-level ChatML tokenizer) and a random-weight EAGLE-3 draft over it (speculators'
 `Eagle3DraftModel`, `--draft-layers`, `--draft-vocab`) decode the package's sample eval prompts on
-the verifier's fastest forward (`eagle3.verifier.forward.forward_for`: CUDA graphs on a GPU):
+the verifier's fastest forward (`eagle3.evaluation.forward_choice.forward_for`: CUDA graphs on a GPU):
 plainly greedy, then speculatively at k with each proposer of `eagle3.evaluation.draft_proposer`:
 `eager` (`Eagle3Proposer`, every step launched from Python), `static` (`StaticEagle3Proposer`:
 fixed KV buffers; on a GPU each round replayed as one CUDA graph) and `compiled` (the same, each

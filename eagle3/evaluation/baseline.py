@@ -153,9 +153,9 @@ class DecodingModel:
 
     def forward(self, capture: HiddenStateCapture | None, max_new_tokens: int):
         """The verifier's forward for decoding these prompts, `max_new_tokens` tokens each."""
-        from eagle3.verifier import forward as verifier_forward  # transformers' cache classes: imported when decoding
+        from eagle3.evaluation.forward_choice import forward_for  # transformers' cache classes: imported when decoding
 
-        return verifier_forward.forward_for(self.model, capture, max(map(len, self.prompts)) + max_new_tokens, self.prompts[0])
+        return forward_for(self.model, capture, max(map(len, self.prompts)) + max_new_tokens, self.prompts[0])
 
 
 def chat_prompts(verifier: VerifierManifest, texts: list[str], source: Path) -> list[list[int]]:

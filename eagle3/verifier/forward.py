@@ -9,16 +9,15 @@ length is captured once as a CUDA graph and replayed. A replay runs the kernels 
 runs, so it computes what the eager pass computes. On CUDA every pass multiplies with cuBLASLt
 (`decode_matmuls`), and passes after the prompt's attend with the math backend (`decode_attention`):
 kernels made for a few queries.
-`forward_for` uses it on a GPU for verifiers whose layers are all full attention and which decode
-the first prompt as transformers' own cache does (`decodes_like_dynamic`); the others (sliding
-windows, linear attention, layers that cannot be captured), and every verifier on a CPU, decode
-with `DynamicForward`, on transformers' own cache and masks.
+Evaluation uses it on a GPU for verifiers whose layers are all full attention and which decode
+the first prompt as transformers' own cache does (`eagle3.evaluation.forward_choice`); the others
+(sliding windows, linear attention, layers that cannot be captured), and every verifier on a CPU,
+decode with `DynamicForward`, on transformers' own cache and masks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -26,9 +25,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Cache, DynamicCache
 
-from eagle3.evaluation.speculative import greedy_decode, speculative_decode
 from eagle3.verifier.capture import HiddenStateCapture
-from eagle3.verifier.loading import text_config
 
 __all__ = [
     "DynamicForward",
@@ -38,13 +35,9 @@ __all__ = [
     "capture_graph",
     "decode_attention",
     "decode_matmuls",
-    "decodes_like_dynamic",
     "drop_last",
-    "forward_for",
     "full_attention_only",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 def drop_last(cache: DynamicCache, n: int) -> None:
@@ -274,56 +267,3 @@ def full_attention_only(config) -> bool:
     if layer_types is not None:
         return all(kind == "full_attention" for kind in layer_types)
     return not getattr(config, "sliding_window", None)
-
-
-class _ReplayProposer:
-    """Proposes the reference continuation with its k-th token wrong: passes of k + 1 tokens whose
-    last draft is rejected and rolled back."""
-
-    def __init__(self, reference: list[int], prompt_len: int):
-        self.reference, self.prompt_len = reference, prompt_len
-
-    def reset(self) -> None:
-        pass
-
-    def observe(self, aux_states) -> None:
-        pass
-
-    def propose(self, context: list[int], k: int) -> list[int]:
-        right = self.reference[len(context) - self.prompt_len :][:k]
-        return [*right[:-1], right[-1] - 1 if right[-1] else 1] if right else []
-
-
-PROBE_TOKENS = 12  # decoded from the probe prompt: enough passes of each kind to show a misplaced position
-
-
-def decodes_like_dynamic(forward: StaticForward, probe: list[int], max_new_tokens: int = PROBE_TOKENS, k: int = 3) -> bool:
-    """Whether `forward` decodes `probe` (a prompt) as `DynamicForward` does, plainly greedy and
-    through partly rejected k-token drafts: a check that this architecture's layers honour the
-    fixed buffers, positions and mask, and (on CUDA) survive graph capture."""
-    expected = greedy_decode(DynamicForward(forward.model, None), probe, max_new_tokens, set()).tokens
-    try:
-        greedy = greedy_decode(forward, probe, max_new_tokens, set()).tokens
-        drafted = speculative_decode(forward, _ReplayProposer(expected, len(probe)), probe, max_new_tokens, k, set()).tokens
-    except Exception:
-        logger.warning("decoding on fixed KV buffers failed on the first prompt", exc_info=True)
-        return False
-    return greedy == expected and drafted == expected
-
-
-def forward_for(model, capture: HiddenStateCapture | None, max_len: int, probe: list[int]):
-    """The fastest forward that decodes `model` exactly. On a GPU: `StaticForward` with CUDA graphs,
-    for a full-attention verifier that decodes `probe` (a prompt) as transformers' own cache does.
-    Otherwise `DynamicForward` (on a CPU, fixed buffers would only add attention over empty
-    positions; layers spread over several devices run through accelerate's hooks). `max_len`: the longest sequence it will hold."""
-    spread = len(set(getattr(model, "hf_device_map", {}).values())) > 1  # accelerate's hooks move weights and inputs: not capturable
-    if next(model.parameters()).device.type == "cuda" and full_attention_only(text_config(model.config)) and not spread:
-        forward = StaticForward(model, capture, max(max_len, len(probe) + PROBE_TOKENS))
-        if decodes_like_dynamic(forward, probe):
-            return forward
-        logger.warning(
-            "%s verifier: decoding on fixed KV buffers differs from transformers' dynamic cache on the first "
-            "prompt; decoding on the dynamic cache instead",
-            model.config.model_type,
-        )
-    return DynamicForward(model, capture)

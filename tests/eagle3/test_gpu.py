@@ -18,6 +18,7 @@ from eagle3.data.regenerate import RegenerateAttempt, _transformers_attempt, reg
 from eagle3.evaluation.baseline import DecodingModel
 from eagle3.evaluation.draft_proposer import Eagle3Proposer, StaticEagle3Proposer, proposer_for
 from eagle3.evaluation.evaluate import load_draft
+from eagle3.evaluation.forward_choice import forward_for
 from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculative_decode
 from eagle3.extraction.extract_hidden_states import ExtractAttempt, ShardWork, _extract_attempt, extract_hidden_states
 from eagle3.extraction.shards import hidden_state_files
@@ -30,7 +31,7 @@ from eagle3.store.manifests import Provenance
 from eagle3.training.train import train_draft
 from eagle3.training.vocab_mapping import build_vocab_mapping
 from eagle3.verifier.capture import HiddenStateCapture
-from eagle3.verifier.forward import DynamicForward, StaticForward, forward_for
+from eagle3.verifier.forward import DynamicForward, StaticForward
 from eagle3.verifier.loading import load_text_model, load_tokenizer
 from eagle3.verifier.placement import load_placed, meta_model, model_bytes
 from eagle3.verifier.resolve_verifier import resolve_verifier

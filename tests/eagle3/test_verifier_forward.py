@@ -4,9 +4,10 @@ import pytest
 import torch
 from transformers import MistralConfig, Qwen2Config, Qwen3NextConfig
 
+from eagle3.evaluation.forward_choice import decodes_like_dynamic, forward_for
 from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculative_decode
 from eagle3.verifier.capture import HiddenStateCapture
-from eagle3.verifier.forward import DynamicForward, StaticForward, decodes_like_dynamic, forward_for, full_attention_only
+from eagle3.verifier.forward import DynamicForward, StaticForward, full_attention_only
 from eagle3.verifier.loading import load_text_model
 
 AUX = [1, 2, 3]

@@ -15,12 +15,12 @@ from eagle3.evaluation.evaluate import EvalManifest, eval_prompts_source
 from eagle3.extraction.shards import HiddenStatesManifest
 from eagle3.plan import check_verifier_fits
 from eagle3.preflight import check_preflight
-from eagle3.serving.export import ExportManifest
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.gc import store_in_use
 from eagle3.store.lineage import RunLineage
 from eagle3.store.manifests import ArtifactManifest
 from eagle3.store.promotions import PromotionRecord
+from eagle3.training.export import ExportManifest
 from eagle3.verifier.resolve_verifier import verifier_source
 from tasks.baseline import measure_baselines_task
 from tasks.evaluate import evaluate_task

@@ -9,7 +9,7 @@ from eagle3.evaluation import evaluate as step
 from eagle3.evaluation.baseline import BaselineManifest
 from eagle3.extraction.shards import HiddenStatesManifest
 from eagle3.figures import with_error
-from eagle3.serving.export import ExportManifest
+from eagle3.training.export import ExportManifest
 from eagle3.verifier.resolve_verifier import VerifierManifest
 from tasks.cache import step_task, task_provenance
 from tasks.gpu import decoding_claim, without_placement

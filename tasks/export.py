@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from eagle3.config import ExportConfig
 from eagle3.extraction.shards import HiddenStatesManifest
-from eagle3.serving import export as step
+from eagle3.training import export as step
 from eagle3.training.train import DraftManifest
 from eagle3.training.vocab_mapping import VocabManifest
 from eagle3.verifier.resolve_verifier import VerifierManifest

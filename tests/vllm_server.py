@@ -35,9 +35,9 @@ from eagle3.data.prepare_dataset import prepare_dataset
 from eagle3.data.regenerate import regenerate, regenerated_conversations
 from eagle3.extraction.extract_hidden_states import extract_hidden_states
 from eagle3.extraction.shards import HiddenStatesManifest
-from eagle3.serving.export import ExportManifest, export_checkpoint
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.manifests import Provenance
+from eagle3.training.export import ExportManifest, export_checkpoint
 from eagle3.training.train import train_draft
 from eagle3.training.vocab_mapping import build_vocab_mapping
 from eagle3.verifier.loading import load_tokenizer

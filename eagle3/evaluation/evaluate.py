@@ -46,11 +46,11 @@ from eagle3.evaluation.tau import PER_PROMPT, Counts, gain_over, per_prompt_coun
 from eagle3.extraction.shards import HiddenStatesManifest
 from eagle3.runtime.attempts import NO_GPU, GpuClaim
 from eagle3.runtime.stopwatch import Stopwatch
-from eagle3.serving.export import ExportManifest
 from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
 from eagle3.store.done_log import DONE_LOG, read_done
 from eagle3.store.manifests import ArtifactManifest, Provenance
 from eagle3.store.versions import route
+from eagle3.training.export import ExportManifest
 from eagle3.verifier.capture import HiddenStateCapture
 from eagle3.verifier.placement import decoding_placement
 from eagle3.verifier.resolve_verifier import VerifierManifest

@@ -1,2 +1,2 @@
-"""What a vLLM server reads and serves: the exported checkpoint, and the client every step that
-talks to a server uses."""
+"""The client every step that talks to an OpenAI-compatible server (`vllm serve`) uses: requests
+with retries and errors that name the server, and records spread over several replicas."""

@@ -23,10 +23,10 @@ from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculat
 from eagle3.evaluation.tau import tau_from_counts
 from eagle3.extraction.extract_hidden_states import extract_hidden_states
 from eagle3.serving.endpoint import EndpointError
-from eagle3.serving.export import export_checkpoint
 from eagle3.store.artifacts import ArtifactError, ArtifactStore
 from eagle3.store.done_log import DONE_LOG
 from eagle3.store.manifests import Provenance
+from eagle3.training.export import export_checkpoint
 from eagle3.training.train import train_draft
 from eagle3.training.vocab_mapping import build_vocab_mapping
 from eagle3.verifier.capture import HiddenStateCapture

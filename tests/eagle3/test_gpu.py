@@ -24,10 +24,10 @@ from eagle3.extraction.extract_hidden_states import ExtractAttempt, ShardWork, _
 from eagle3.extraction.shards import hidden_state_files
 from eagle3.extraction.storage import decode
 from eagle3.runtime.attempts import fixed_devices
-from eagle3.serving.export import export_checkpoint
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.done_log import read_done
 from eagle3.store.manifests import Provenance
+from eagle3.training.export import export_checkpoint
 from eagle3.training.train import train_draft
 from eagle3.training.vocab_mapping import build_vocab_mapping
 from eagle3.verifier.capture import HiddenStateCapture

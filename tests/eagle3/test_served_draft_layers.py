@@ -1,6 +1,6 @@
 """The verifier layers a served draft reads are the ones its training states were captured at: the
 CPU build of vLLM, serving the exported checkpoint, says which layers it captures for the draft. A
-checkpoint without them would be served on vLLM's default layers, silently (`eagle3/serving/export.py`)."""
+checkpoint without them would be served on vLLM's default layers, silently (`eagle3/training/export.py`)."""
 
 from __future__ import annotations
 

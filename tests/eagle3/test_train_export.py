@@ -31,11 +31,11 @@ from eagle3.evaluation.evaluate import evaluate
 from eagle3.evaluation.promotion import promote
 from eagle3.extraction.extract_hidden_states import extract_hidden_states
 from eagle3.runtime.faults import FAULT_OOM_ENV
-from eagle3.serving.export import export_checkpoint, validate_checkpoint
 from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
 from eagle3.store.manifests import Provenance
 from eagle3.training import trainer_compat
 from eagle3.training.epochs import simulated_acceptance_length
+from eagle3.training.export import export_checkpoint, validate_checkpoint
 from eagle3.training.train import DraftManifest, _speculators_data_dir, previous_draft, train_draft
 from eagle3.training.train_worker import OOM_EXIT, TrainSpec
 from eagle3.training.vocab_mapping import build_vocab_mapping

@@ -4,15 +4,17 @@ flow's refusal of a verifier that cannot fit its claimed GPUs."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
-from conftest import SAMPLE
+from conftest import SAMPLE, write_jsonl
 
 from eagle3.cli import main
-from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, VerifierConfig, load_config
+from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, RegenerateConfig, VerifierConfig, load_config
 from eagle3.data.prepare_dataset import prepare_dataset
+from eagle3.data.regenerate import regenerate, regenerate_provenance
 from eagle3.extraction.extract_hidden_states import extract_hidden_states, extraction_provenance
 from eagle3.plan import check_verifier_fits, make_plan
 from eagle3.store.artifacts import ArtifactStore
@@ -111,6 +113,22 @@ def test_a_measured_extraction_in_the_store_gives_the_extraction_time(tiny_verif
     assert plan.estimates == [
         f"extract     {plan.dataset_tokens / rate / 3600:,.1f} h at {rate:,.0f} tok/s (artifact {hidden.digest[:12]})"
     ]
+
+
+def test_the_regeneration_rate_counts_the_records_generated_not_those_reused(tiny_verifier, tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=8)
+    first = write_jsonl(tmp_path / "first.jsonl", [{"id": f"p{i}", "prompt": f"Say {i}."} for i in range(3)])
+    grown = write_jsonl(tmp_path / "grown.jsonl", [*map(json.loads, first.read_text().splitlines()), {"id": "p3", "prompt": "Say 3."}])
+    regenerate(cfg, first, verifier, store, regenerate_provenance(store, cfg, first, verifier))
+    latest = regenerate(cfg, grown, verifier, store, regenerate_provenance(store, cfg, grown, verifier))
+
+    plan = plan_of(tmp_path, tiny_verifier, f"dataset.path={grown}", "regenerate.enabled=true", "regenerate.max_new_tokens=8")
+
+    rate = 1 / latest.seconds  # one record generated, three reused
+    assert latest.reused_records == 3
+    assert f"regenerate  {4 / rate / 3600:,.1f} h at {rate:,.2f} records/s (artifact {latest.digest[:12]})" in plan.estimates
 
 
 def test_a_run_whose_verifier_cannot_fit_its_gpus_fails_before_loading_with_the_plan(tmp_path, needs_kimi):

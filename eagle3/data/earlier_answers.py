@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 
 from eagle3.data.prepare_dataset import Record
 from eagle3.store.artifacts import PUBLISHED, ArtifactError, ArtifactStore, read_manifest_record
-from eagle3.store.manifests import Provenance
+from eagle3.store.manifests import MANIFEST, Provenance
 
 __all__ = ["CONVERSATIONS", "EarlierAnswers", "answer_settings", "earlier_answers"]
 
@@ -66,7 +66,7 @@ def _donors(store: ArtifactStore, settings: str) -> Iterator[tuple[str, Path]]:
             continue
         seen.add(directory.name)
         try:
-            record = read_manifest_record(directory / "manifest.json")
+            record = read_manifest_record(directory / MANIFEST)
         except ArtifactError as exc:
             logger.warning("%s; its answers are not reused", exc)
             continue

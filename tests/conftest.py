@@ -104,10 +104,13 @@ def pytest_collection_modifyitems(items):
         items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook tells the controller this worker has collected
 def pytest_collection_finish(session):
     if (worker := os.environ.get("PYTEST_XDIST_WORKER")) and GROUPS_DIR in os.environ:
         groups = {item.nodeid: group_of(item) for item in session.items}
-        Path(os.environ[GROUPS_DIR], f"{worker}.json").write_text(json.dumps(groups))
+        written = Path(os.environ[GROUPS_DIR], f"{worker}.json")
+        written.with_suffix(".tmp").write_text(json.dumps(groups))
+        written.with_suffix(".tmp").replace(written)  # the controller never reads half a file
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -14,9 +14,12 @@ The transformers backend runs in attempts: one model load, then the remaining re
 batch. On the claimed GPUs each attempt is a child process (`eagle3.runtime.attempts.run_attempt`), so
 its memory is gone when it exits; on CPU it runs in this process. Out of memory, an attempt stops
 and the step halves `batch_size` (down to `min_batch_size`, then fails) and retries the records
-not yet finished; each back-off is logged and listed in the manifest (`backoffs`). Batch size is
-not part of the cache key: greedy answers do not depend on it (left padding is masked), so a
-backed-off run publishes the same artifact.
+not yet finished; each back-off is logged, listed in the manifest (`backoffs`) and kept in the work
+dir, so a re-run resumes at the batch size it reached. Batch size is not part of the cache key:
+greedy answers do not depend on it in exact arithmetic (left padding is masked), and on CPU in
+float32 a backed-off run publishes the same artifact. On a GPU in bfloat16 two runs need not agree
+to the token: two H100 regenerations of the same 27,463 records, batched alike, generated 4,810,730
+and 4,812,402 tokens.
 
 Output `conversations.parquet`: `id`, `messages` (list of {role, content}), `finish_reasons`
 (`stop` | `length` per generated turn). Records that fail (a prompt longer than the context, a turn
@@ -228,6 +231,7 @@ def _regenerate_on(
         cfg.min_batch_size,
         kept=f"Finished records are kept in {done_log.parent}: a re-run resumes there. Lower regenerate.min_batch_size "
         "or max_new_tokens, shorten those prompts, or use a device with more memory.",
+        log=done_log.with_name(done_log.name.replace("done", "backoffs", 1)),  # worker w's: done.w.jsonl, backoffs.w.jsonl
     )
     device = worker.device if worker else str(resolve_device(cfg.device))
     spec = RegenerateAttempt(
@@ -235,7 +239,7 @@ def _regenerate_on(
         cfg=cfg,
         verifier=verifier,
         device=device,
-        batch_size=cfg.batch_size,
+        batch_size=backoff.value,
         done_log=done_log,
         max_memory=worker.max_memory if worker else None,
     )

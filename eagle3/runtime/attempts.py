@@ -11,7 +11,9 @@ themselves where they pickle, `torch.OutOfMemoryError` included.
 
 An attempt that runs out of memory stops and says where (`OutOfMemory`); its step halves one
 batch setting (`BatchBackoff`) and runs the next attempt on what is left, until the setting's
-minimum. Each halving is logged and recorded in the step's manifest (`Backoff`).
+minimum. Each halving is logged and recorded in the step's manifest (`Backoff`), and listed in the
+step's work directory as it is taken (`BACKOFF_LOG`), so a run that is killed or fails after one starts
+again at the setting it reached: at scale each attempt reloads the verifier, which costs minutes.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import threading
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field
 
 __all__ = [
+    "BACKOFF_LOG",
     "NO_GPU",
     "Backoff",
     "BatchBackoff",
@@ -50,6 +54,10 @@ Progress = Callable[..., None]
 
 
 logger = logging.getLogger(__name__)
+
+BACKOFF_LOG = "backoffs.jsonl"
+"""Where a step's work directory lists the back-offs taken so far: a re-run of a killed or failed step
+starts at the batch setting they left, instead of running out of memory at the configured one again."""
 
 GpuClaim = Callable[[], AbstractContextManager["list[str] | None"]]
 """How a step gets its GPUs: entered once the step holds its work directory (extraction, which locks
@@ -186,9 +194,19 @@ class BatchBackoff:
     """The out-of-memory back-off every GPU step shares: halve one batch setting per out-of-memory
     attempt, down to its minimum, then fail saying what was tried and what is `kept`."""
 
-    def __init__(self, setting: str, value: int, minimum_setting: str, minimum: int, kept: str):
+    def __init__(self, setting: str, value: int, minimum_setting: str, minimum: int, kept: str, log: Path | None = None):
         self.setting, self.value, self.minimum_setting, self.minimum, self.kept = setting, value, minimum_setting, minimum, kept
-        self.taken: list[Backoff] = []
+        self.log = log
+        self.taken: list[Backoff] = _read_backoffs(log) if log else []
+        if self.taken and (resumed := max(self.taken[-1].retry_with, minimum)) < value:
+            logger.info(
+                "resuming at %s=%d, where this work backed off to before (%s lists each back-off; delete it to start at %d)",
+                setting,
+                resumed,
+                log,
+                value,
+            )
+            self.value = resumed
 
     def after(self, oom: OutOfMemory) -> int:
         """The value to retry with, logged and recorded in `taken`.
@@ -202,9 +220,26 @@ class BatchBackoff:
                 f"ran out of memory {oom.where} at every batch size tried ({self.setting} = {tried}) down to "
                 f"{self.minimum_setting} = {self.minimum}: {oom.error}. {self.kept}"
             )
-        self.taken.append(
-            Backoff(setting=self.setting, value=self.value, retry_with=self.value // 2, error=oom.error, where=oom.where, at=oom.at)
-        )
-        logger.warning("ran out of memory %s at %s=%d; retrying with %d", oom.where, self.setting, self.value, self.value // 2)
-        self.value //= 2
-        return self.value
+        return self._retry_with(self.value // 2, oom)
+
+    def _retry_with(self, value: int, oom: OutOfMemory) -> int:
+        taken = Backoff(setting=self.setting, value=self.value, retry_with=value, error=oom.error, where=oom.where, at=oom.at)
+        logger.warning("ran out of memory %s at %s=%d; retrying with %d", oom.where, self.setting, self.value, value)
+        self.taken.append(taken)
+        if self.log is not None:
+            with open(self.log, "a") as log:
+                log.write(taken.model_dump_json() + "\n")  # one write: a kill leaves at most this line torn
+        self.value = value
+        return value
+
+
+def _read_backoffs(log: Path) -> list[Backoff]:
+    """The back-offs a killed or failed run of the same work took, oldest first; a torn or unreadable
+    file only costs the resumed run its first out-of-memory attempt again, so it is passed over."""
+    if not log.exists():
+        return []
+    try:
+        return [Backoff.model_validate_json(line) for line in log.read_text().splitlines(keepends=True) if line.endswith("\n")]
+    except ValueError as exc:
+        logger.warning("%s: not a list of back-offs (%s); starting at the configured batch setting", log, str(exc).splitlines()[0])
+        return []

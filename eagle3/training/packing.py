@@ -19,16 +19,14 @@ the dataset the manifest names, so lowering `dataset.max_seq_len` stays the user
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from eagle3.config import ConfigError, TrainConfig
 from eagle3.data.prepare_dataset import DatasetManifest, load_dataset_table
-from eagle3.runtime.attempts import Backoff, BatchBackoff, OutOfMemory
+from eagle3.runtime.attempts import BatchBackoff, OutOfMemory
 
 __all__ = ["LosslessBackoff", "SupervisedExtent", "check_total_seq_len", "supervised_extent"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,7 +106,7 @@ class LosslessBackoff(BatchBackoff):
     it halves down to `train.min_total_seq_len` or the dataset's supervised extent, whichever is
     larger, trying that floor itself last."""
 
-    def __init__(self, cfg: TrainConfig, extent: SupervisedExtent, dataset: DatasetManifest, kept: str):
+    def __init__(self, cfg: TrainConfig, extent: SupervisedExtent, dataset: DatasetManifest, kept: str, log: Path | None = None):
         if extent.tokens > cfg.min_total_seq_len:
             floor_setting = f"the longest record's last supervised position (record {extent.record}, '{extent.record_id}')"
             kept += (
@@ -117,14 +115,9 @@ class LosslessBackoff(BatchBackoff):
             )
         else:
             floor_setting = "train.min_total_seq_len"
-        super().__init__("train.total_seq_len", cfg.total_seq_len, floor_setting, max(cfg.min_total_seq_len, extent.tokens), kept)
+        super().__init__("train.total_seq_len", cfg.total_seq_len, floor_setting, max(cfg.min_total_seq_len, extent.tokens), kept, log)
 
     def after(self, oom: OutOfMemory) -> int:
         if self.minimum < self.value < 2 * self.minimum:  # half would cut: try the floor itself once
-            self.taken.append(
-                Backoff(setting=self.setting, value=self.value, retry_with=self.minimum, error=oom.error, where=oom.where, at=oom.at)
-            )
-            logger.warning("ran out of memory %s at %s=%d; retrying with %d", oom.where, self.setting, self.value, self.minimum)
-            self.value = self.minimum
-            return self.value
+            return self._retry_with(self.minimum, oom)
         return super().after(oom)

@@ -43,7 +43,7 @@ from pydantic import Field
 from eagle3.config import TrainConfig
 from eagle3.data.prepare_dataset import DatasetManifest, load_dataset_table
 from eagle3.extraction.shards import HiddenStatesManifest, hidden_state_files, hs_path
-from eagle3.runtime.attempts import NO_GPU, Backoff, GpuClaim, OutOfMemory, dying_with_parent
+from eagle3.runtime.attempts import BACKOFF_LOG, NO_GPU, Backoff, GpuClaim, OutOfMemory, dying_with_parent
 from eagle3.runtime.devices import gpu_memory_used_mib, resolve_device
 from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.store.artifacts import ArtifactError, ArtifactStore, read_manifest_record, step_provenance
@@ -277,7 +277,11 @@ def train_draft(
             _verify_hidden_states(store, hidden_states)
         _speculators_data_dir(work, dataset, None if online else hidden_states)
         backoff = LosslessBackoff(
-            cfg, extent, dataset, kept=f"Finished epochs are kept in {work / 'checkpoints'}: a re-run resumes from the last."
+            cfg,
+            extent,
+            dataset,
+            kept=f"Finished epochs are kept in {work / 'checkpoints'}: a re-run resumes from the last.",
+            log=work / BACKOFF_LOG,
         )
         with clock.excluding_wait(claim()) as gpus:
             spec = TrainSpec(
@@ -287,7 +291,7 @@ def train_draft(
                 aux_layer_ids=hidden_states.aux_layer_ids,
                 hidden_size=hidden_states.hidden_size,
                 vocab=vocab,
-                total_seq_len=cfg.total_seq_len,
+                total_seq_len=backoff.value,
                 device="cuda" if gpus else str(resolve_device(cfg.device)),
                 init_checkpoint=init.path / init.checkpoint if init else None,
                 online_storage=hidden_states.storage if online else None,

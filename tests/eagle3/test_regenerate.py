@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -32,8 +33,8 @@ from eagle3.serving.endpoint import EndpointError
 from eagle3.store.artifacts import ArtifactError, ArtifactStore
 from eagle3.store.manifests import Provenance
 from eagle3.verifier.forward import DynamicForward
-from eagle3.verifier.loading import load_text_model, load_tokenizer
-from eagle3.verifier.resolve_verifier import resolve_verifier
+from eagle3.verifier.loading import chat_prompt_ids, load_text_model, load_tokenizer
+from eagle3.verifier.resolve_verifier import resolve_verifier, verifier_tokenizer
 
 pytestmark = pytest.mark.slow  # generation by the verifier, in child processes and against a vLLM server
 
@@ -314,6 +315,34 @@ def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried_and_keeps_fini
     progress = []
     out = regenerate(CFG, prompts, manifest, store, provenance, on_progress=lambda *p: progress.append(p))
     assert out.num_records == 3 and progress[-1] == (1, 1)  # only the unfinished record is regenerated
+    # It resumed at the batch size the failed run reached, and the manifest keeps that run's back-off
+    assert [(b.value, b.retry_with) for b in out.backoffs] == [(2, 1)]
+
+
+def test_a_run_killed_after_backing_off_resumes_at_the_batch_size_it_reached(verifier, tmp_path, monkeypatch, caplog):
+    store, manifest = verifier
+    asks = [f"Say {n}." for n in range(4)]
+    prompts = write_jsonl(tmp_path / "four.jsonl", [{"id": str(n), "prompt": ask} for n, ask in enumerate(asks)])
+    tokenizer = verifier_tokenizer(manifest)
+    longest = max(len(chat_prompt_ids(tokenizer, [{"role": "user", "content": ask}])) for ask in asks)
+    monkeypatch.setenv(FAULT_OOM_ENV, str(longest))  # one prompt fits, two padded together do not: every time
+
+    class Killed(Exception):
+        """Stands for a SIGKILL once the first record is finished."""
+
+    def kill(done, total):
+        raise Killed
+
+    with pytest.raises(Killed):
+        regenerate(CFG, prompts, manifest, store, Provenance(config={"run": "oom-killed"}), on_progress=kill)
+    caplog.set_level(logging.INFO, logger="eagle3")
+
+    out = regenerate(CFG, prompts, manifest, store, Provenance(config={"run": "oom-killed"}))
+
+    assert out.num_records == 4
+    # The killed run's back-off, and no new one: the re-run did not try two records at once again
+    assert [(b.value, b.retry_with) for b in out.backoffs] == [(2, 1)]
+    assert "resuming at regenerate.batch_size=1, where this work backed off to before" in caplog.text
 
 
 def test_appending_prompts_generates_only_for_the_new_ones_and_publishes_what_a_fresh_run_does(verifier, prompts, tiny_verifier, tmp_path):

@@ -233,6 +233,22 @@ def test_out_of_memory_backs_off_no_further_than_the_last_supervised_position(st
     assert [(b.value, b.retry_with) for b in draft.backoffs] == [(512, 256), (256, extent.tokens)]
 
 
+def test_a_run_killed_after_backing_off_resumes_at_the_total_seq_len_it_reached(store, inputs, monkeypatch, caplog):
+    extent = supervised_extent(inputs[1])
+    monkeypatch.setenv(FAULT_OOM_ENV, str(extent.tokens))  # 512 and 256 run out of memory, every time
+    cfg = TRAIN.model_copy(update={"total_seq_len": 512, "min_total_seq_len": 16})
+    with pytest.raises(Killed):
+        _train(store, inputs, "oom-killed", cfg, on_step=_kill_in_second_epoch)
+    caplog.set_level(logging.INFO, logger="eagle3")
+
+    draft = _train(store, inputs, "oom-killed", cfg)
+
+    # The killed run's back-offs, and no new one: the re-run did not try 512 and 256 again
+    assert [(b.value, b.retry_with) for b in draft.backoffs] == [(512, 256), (256, extent.tokens)]
+    assert f"resuming at train.total_seq_len={extent.tokens}, where this work backed off to before" in caplog.text
+    assert [e["epoch"] for e in draft.epochs] == [0, 1]
+
+
 def test_out_of_memory_below_the_last_supervised_position_fails_naming_the_record(store, inputs, monkeypatch):
     extent = supervised_extent(inputs[1])
     monkeypatch.setenv(FAULT_OOM_ENV, str(extent.tokens - 1))

@@ -362,9 +362,9 @@ def _estimates(config: PipelineConfig, store_dir: Path, source: Path, records: i
         config.regenerate.enabled
         and regenerated
         and records
-        and (generated := regenerated["num_records"] - regenerated.get("reused_records", 0))
+        and (generated := regenerated["num_records"] - regenerated.get("reused_records", 0) - regenerated.get("resumed_records", 0))
     ):
-        rate = generated / regenerated["seconds"]  # reused answers took no time
+        rate = generated / regenerated["seconds"]  # reused answers took no time, resumed ones a killed run's
         out.append(f"regenerate  {records / rate / 3600:,.1f} h at {rate:,.2f} records/s (artifact {regenerated['digest'][:12]})")
     if (draft := latest.get("draft")) and draft.get("tokens_per_s"):
         train = config.train

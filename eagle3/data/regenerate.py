@@ -73,8 +73,11 @@ _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 class RegeneratedManifest(ArtifactManifest):
     kind: str = "regenerated"
     num_records: int
-    num_generated_tokens: int = Field(description="tokens this run generated (reused answers not counted)")
+    num_generated_tokens: int = Field(description="tokens generated for this artifact (reused answers not counted)")
     reused_records: int = Field(0, description="records answered by an earlier regeneration (`eagle3.data.earlier_answers`)")
+    resumed_records: int = Field(
+        0, description="records a killed or failed run of this step had finished: generated, but not in this run's `seconds`"
+    )
     reused_from: list[str] = Field(default_factory=list, description="digests of the regenerations those answers come from")
     failed: dict[str, str]
     backoffs: list[Backoff] = Field(default_factory=list)
@@ -371,6 +374,7 @@ def regenerate(
         clock = Stopwatch()  # not counting a wait for another run of this step, or for a GPU
         done_log = work / DONE_LOG
         done = _read_done_logs(work)
+        resumed = set(done)
         earlier = earlier_answers(store, provenance, [r for r in records if r[0] not in done])
         if earlier.entries:
             logger.info(
@@ -421,6 +425,7 @@ def regenerate(
                 num_records=len(ok),
                 num_generated_tokens=sum(r["tokens"] for r in ok),
                 reused_records=sum(r["id"] in earlier.entries for r in ok),
+                resumed_records=sum(r["id"] in resumed for r in ok),
                 reused_from=earlier.donors,
                 failed={r[0]: done[r[0]]["failed"] for r in records if "failed" in done[r[0]]},
                 backoffs=backoffs,

@@ -131,6 +131,30 @@ def test_the_regeneration_rate_counts_the_records_generated_not_those_reused(tin
     assert f"regenerate  {4 / rate / 3600:,.1f} h at {rate:,.2f} records/s (artifact {latest.digest[:12]})" in plan.estimates
 
 
+def test_the_regeneration_rate_counts_the_records_this_run_generated_not_those_a_killed_run_left(tiny_verifier, tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=8, batch_size=2)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"p{i}", "prompt": f"Say {i}."} for i in range(4)])
+    provenance = regenerate_provenance(store, cfg, prompts, verifier)
+
+    class Killed(Exception):
+        """Stands for a SIGKILL once the first batch is finished."""
+
+    def kill(done, total):
+        raise Killed
+
+    with pytest.raises(Killed):
+        regenerate(cfg, prompts, verifier, store, provenance, on_progress=kill)
+    resumed = regenerate(cfg, prompts, verifier, store, provenance)
+
+    plan = plan_of(tmp_path, tiny_verifier, f"dataset.path={prompts}", "regenerate.enabled=true", "regenerate.max_new_tokens=8")
+
+    rate = 2 / resumed.seconds  # the killed run's 2 records took none of this run's seconds
+    assert (resumed.num_records, resumed.resumed_records, resumed.reused_records) == (4, 2, 0)
+    assert f"regenerate  {4 / rate / 3600:,.1f} h at {rate:,.2f} records/s (artifact {resumed.digest[:12]})" in plan.estimates
+
+
 def test_a_run_whose_verifier_cannot_fit_its_gpus_fails_before_loading_with_the_plan(tmp_path, needs_kimi):
     config = load_config(
         None,

@@ -47,7 +47,7 @@ from eagle3.extraction.shards import HiddenStatesManifest, code_step, hs_path, s
 from eagle3.extraction.storage import room_problem
 from eagle3.extraction.vllm_engine import EngineStates, engine_identity
 from eagle3.extraction.writer import OverlappedWriter
-from eagle3.runtime.attempts import NO_GPU, BatchBackoff, GpuClaim, OutOfMemory, Progress, run_attempt
+from eagle3.runtime.attempts import BACKOFF_LOG, NO_GPU, BatchBackoff, GpuClaim, OutOfMemory, Progress, run_attempt
 from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, inference_mode, resolve_device
 from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
@@ -371,13 +371,15 @@ def _extract_on_workers(
         future.result()
 
 
-def _backoff(cfg: ExtractConfig) -> BatchBackoff:
+def _backoff(cfg: ExtractConfig, work: Path, worker: int) -> BatchBackoff:
+    """Worker `worker`'s back-off, listed in `work` (`BACKOFF_LOG` for worker 0, as regeneration's)."""
     return BatchBackoff(
         "extract.prefill_batch_tokens",
         cfg.prefill_batch_tokens,
         "extract.min_prefill_batch_tokens",
         cfg.min_prefill_batch_tokens,
         kept="Finished shards are kept. Lower dataset.max_seq_len or extract.min_prefill_batch_tokens, or use a device with more memory.",
+        log=work / (BACKOFF_LOG if worker == 0 else f"backoffs.{worker}.jsonl"),
     )
 
 
@@ -394,6 +396,8 @@ def _publish(
         for key, shard in zip(plan.keys, plan.shards)
     ]
     with store.work_dir("hidden_states", provenance.key) as work:
+        for log in work.glob("backoffs*.jsonl"):  # the manifest lists them; the artifact is the shard list alone
+            log.unlink()
         atomic_write_text(work / "shards.json", json.dumps(listing, indent=0))
         return store.publish(
             work,
@@ -460,7 +464,8 @@ def extract_hidden_states(
     plan = _ShardPlan(cfg, dataset, verifier, aux, shard_root, on_progress)
     if problem := room_problem(plan.total_tokens, verifier.hidden_size, cfg.storage, shutil.disk_usage(shard_root).free):
         raise ArtifactError(shard_root, f"not extracting: {problem}")
-    backoffs = [_backoff(cfg)]  # one per worker, kept across claims
+    work = store.work_path("hidden_states", provenance.key)  # for the back-offs; not held, as runs share shards
+    backoffs = [_backoff(cfg, work, 0)]  # one per worker, kept across claims
     gpu_memory_after = None
     todo = plan.todo
     while todo := plan.unfinished(todo):
@@ -484,7 +489,7 @@ def extract_hidden_states(
                 )
                 if in_step and gpus:
                     workers = place_verifier(verifier.path, gpus, placement, torch.bfloat16)
-                    backoffs += [_backoff(cfg) for _ in range(len(workers) - len(backoffs))]
+                    backoffs += [_backoff(cfg, work, w) for w in range(len(backoffs), len(workers))]
                     _extract_on_workers(plan, todo, base, workers, backoffs)
                 else:
                     _extract_free_shards(plan, todo, base, gpus, backoffs[0])

@@ -227,6 +227,7 @@ class BatchBackoff:
         logger.warning("ran out of memory %s at %s=%d; retrying with %d", oom.where, self.setting, self.value, value)
         self.taken.append(taken)
         if self.log is not None:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log, "a") as log:
                 log.write(taken.model_dump_json() + "\n")  # one write: a kill leaves at most this line torn
         self.value = value

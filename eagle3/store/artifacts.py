@@ -164,11 +164,16 @@ class ArtifactStore:
                 logger.warning("%s; computing it again", exc)
         return None
 
+    def work_path(self, step: str, key: str) -> Path:
+        """Where `work_dir(step, key)` is, without holding it: for what runs of a step that do not
+        take turns share (extraction, which locks shards instead, keeps its back-offs there)."""
+        return self.root / "work" / f"{step}-{key[:24]}"
+
     @contextmanager
     def _held_work_dir(self, step: str, key: str) -> Iterator[tuple[Path, bool]]:
         name = f"{step}-{key[:24]}"
         with exclusive(self.root / "locks" / f"{name}.lock", f"another run of step '{step}' on the same inputs") as waited:
-            path = self.root / "work" / name
+            path = self.work_path(step, key)
             path.mkdir(parents=True, exist_ok=True)
             for stale in path.rglob(f".*{TEMP_SUFFIX}"):  # a killed run's unfinished write, not part of any output
                 stale.unlink()

@@ -277,6 +277,32 @@ def test_out_of_memory_halves_the_prefill_batch_and_retries_the_shard(prepared, 
     assert manifest.digest == direct.digest
 
 
+@pytest.mark.slow
+def test_a_run_killed_after_backing_off_resumes_at_the_prefill_batch_it_reached(prepared, monkeypatch, tmp_path, caplog):
+    _, verifier, dataset = prepared
+    store = ArtifactStore(tmp_path)
+    cfg = ExtractConfig(aux_layer_ids=AUX, prefill_batch_tokens=4096, records_per_shard=8)
+    monkeypatch.setenv(FAULT_OOM_ENV, "600")  # above 512 runs out of memory, every time
+
+    class Killed(Exception):
+        """Stands for a SIGKILL once the first shard is finished."""
+
+    def kill(done, total):
+        raise Killed
+
+    with pytest.raises(Killed):
+        extract_hidden_states(cfg, dataset, verifier, store, Provenance(), on_progress=kill)
+    caplog.set_level(logging.INFO, logger="eagle3")
+
+    manifest = extract_hidden_states(cfg, dataset, verifier, store, Provenance())
+
+    # The killed run's back-offs, and no new one: the re-run did not try 4096, 2048 and 1024 again
+    assert [(b.value, b.retry_with) for b in manifest.backoffs] == [(4096, 2048), (2048, 1024), (1024, 512)]
+    assert "resuming at extract.prefill_batch_tokens=512, where this work backed off to before" in caplog.text
+    assert (manifest.extracted_shards, manifest.reused_shards) == (2, 1)
+    assert sorted(p.name for p in manifest.path.iterdir()) == ["manifest.json", "shards.json"]
+
+
 def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried(prepared, monkeypatch, tmp_path):
     _, verifier, dataset = prepared
     store = ArtifactStore(tmp_path)

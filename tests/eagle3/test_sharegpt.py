@@ -87,3 +87,26 @@ def test_conversations_past_the_user_turn_or_character_budget_are_skipped_and_co
 
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["two", "one"]
     assert "dropped: over_max_user_chars 1, over_max_user_turns 1)" in capsys.readouterr().out
+
+
+def test_first_user_turns_cuts_a_longer_conversation_instead_of_skipping_it(tmp_path, capsys):
+    def turns(*texts):
+        return [{"from": "human" if i % 2 == 0 else "gpt", "value": text} for i, text in enumerate(texts)]
+
+    records = [
+        {"id": "four", "conversations": turns("u1", "a1", "u2", "a2", "u3", "a3", "u4", "a4")},
+        {"id": "two", "conversations": turns("u1", "a1", "u2")},
+        {"id": "long", "conversations": turns("x" * 9, "a1", "u2", "a2", "u3 too long now")},
+    ]
+    source, out = tmp_path / "sharegpt.json", tmp_path / "out.jsonl"
+    source.write_text(json.dumps(records))
+
+    argv = [str(out), "--source", str(source), "--first-user-turns", "2", "--max-user-turns", "2", "--max-user-chars", "12"]
+    assert main(argv) == 0
+
+    kept = {r["id"]: [m["content"] for m in r["messages"]] for r in map(json.loads, out.read_text().splitlines())}
+    # The cut keeps the first two user turns and the answer between them; the character budget
+    # counts the turns kept ("long" is within it once its third turn is cut)
+    assert kept == {"four": ["u1", "a1", "u2", "a2"], "two": ["u1", "a1", "u2"], "long": ["x" * 9, "a1", "u2", "a2"]}
+    assert "3 conversations" in (printed := capsys.readouterr().out)
+    assert "(2 cut to their first 2 user turns; dropped: none)" in printed

@@ -9,9 +9,13 @@ earlier one already answered, that artifact's answer, and generates the rest.
 An answer is reused from a published regeneration of the same *answer settings*: its key without
 the prompt file and `max_records` (`answer_settings`), so the same verifier, generation settings and
 step version. A record matches on what the verifier was asked (its system messages and user turns),
-not on its id. Greedy answers do not depend on what else was in the batch (left padding is masked),
-so a reused answer is the one this run would generate; a sampled one is a sample under the same
-settings. Failed records are not reused: they are tried again.
+not on its id. In exact arithmetic a greedy answer does not depend on what else was in the batch
+(left padding is masked), so a reused answer is the one this run would generate (on CPU, to the
+byte; in bfloat16 on a GPU a few differ, as they do between two full GPU runs); a sampled one is a
+sample under the same settings. Failed records are not reused: they are tried again.
+
+The step's key is defined here too (`regenerate_provenance`), beside the one function that takes
+it apart.
 """
 
 from __future__ import annotations
@@ -23,17 +27,24 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from eagle3.config import RegenerateConfig
 from eagle3.data.prepare_dataset import Record
-from eagle3.store.artifacts import PUBLISHED, ArtifactError, ArtifactStore, read_manifest_record
+from eagle3.store.artifacts import PUBLISHED, ArtifactError, ArtifactStore, read_manifest_record, step_provenance
 from eagle3.store.manifests import MANIFEST, Provenance
+from eagle3.store.versions import route
+from eagle3.verifier.resolve_verifier import VerifierManifest
 
-__all__ = ["CONVERSATIONS", "EarlierAnswers", "answer_settings", "earlier_answers"]
+__all__ = ["CONVERSATIONS", "EarlierAnswers", "answer_settings", "earlier_answers", "regenerate_provenance"]
 
 logger = logging.getLogger(__name__)
 
 CONVERSATIONS = "conversations.parquet"
-_SOURCE = "source"  # regenerate_provenance's name for the prompt file
-_CONFIG = "cfg"  # ... and for the step's settings
+
+
+def regenerate_provenance(store: ArtifactStore, cfg: RegenerateConfig, source: Path, verifier: VerifierManifest) -> Provenance:
+    """The regeneration step's provenance: a server's answers are keyed by its served model name, not by local code."""
+    step = route("regenerated", cfg.backend, local="transformers")
+    return step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
 
 
 class EarlierAnswers(BaseModel):
@@ -44,9 +55,9 @@ class EarlierAnswers(BaseModel):
 def answer_settings(provenance: Provenance) -> str:
     """The key of what an answer depends on: `provenance` without the prompt file and the record limit."""
     config = dict(provenance.config)
-    if isinstance(config.get(_CONFIG), dict):
-        config[_CONFIG] = {name: value for name, value in config[_CONFIG].items() if name != "max_records"}
-    parents = {name: digest for name, digest in provenance.parents.items() if name != _SOURCE}
+    if isinstance(config.get("cfg"), dict):  # regenerate_provenance's names: `cfg` the settings, `source` the prompt file
+        config["cfg"] = {name: value for name, value in config["cfg"].items() if name != "max_records"}
+    parents = {name: digest for name, digest in provenance.parents.items() if name != "source"}
     return Provenance(parents=parents, config=config, code_version=provenance.code_version).key
 
 

@@ -47,7 +47,7 @@ from pydantic import BaseModel, Field
 from tqdm import tqdm
 
 from eagle3.config import RegenerateConfig, VerifierConfig
-from eagle3.data.earlier_answers import CONVERSATIONS, earlier_answers
+from eagle3.data.earlier_answers import CONVERSATIONS, earlier_answers, regenerate_provenance
 from eagle3.data.prepare_dataset import Record, read_user_turns
 from eagle3.runtime.attempts import NO_GPU, Backoff, BatchBackoff, GpuClaim, OutOfMemory, Progress, run_attempt
 from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, inference_mode, resolve_device
@@ -55,10 +55,9 @@ from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.serving.endpoint import EndpointError, RequestRejected, chat
 from eagle3.serving.replicas import Server, open_servers, spread
-from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
+from eagle3.store.artifacts import ArtifactError, ArtifactStore
 from eagle3.store.done_log import DONE_LOG, append_done, read_done
 from eagle3.store.manifests import ArtifactManifest, Provenance
-from eagle3.store.versions import route
 from eagle3.verifier.loading import chat_prompt_ids, eos_token_ids
 from eagle3.verifier.placement import Worker, load_placed, place_verifier
 from eagle3.verifier.resolve_verifier import VerifierManifest, verifier_tokenizer
@@ -328,12 +327,6 @@ def _regenerate_by_server(todo: list[Record], cfg: RegenerateConfig, done_log: P
                 records_done(1)
         except EndpointError as exc:
             raise EndpointError(f"{exc} Finished records are kept in {done_log}: a re-run resumes there.") from exc
-
-
-def regenerate_provenance(store: ArtifactStore, cfg: RegenerateConfig, source: Path, verifier: VerifierManifest) -> Provenance:
-    """The step's provenance: a server's answers are keyed by its served model name, not by local code."""
-    step = route("regenerated", cfg.backend, local="transformers")
-    return step_provenance(step, store, cfg=cfg, source=source, verifier=verifier)
 
 
 def regenerate(

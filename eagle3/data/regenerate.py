@@ -49,7 +49,7 @@ from tqdm import tqdm
 from eagle3.config import RegenerateConfig, VerifierConfig
 from eagle3.data.earlier_answers import CONVERSATIONS, earlier_answers, regenerate_provenance
 from eagle3.data.prepare_dataset import Record, read_user_turns
-from eagle3.runtime.attempts import NO_GPU, Backoff, BatchBackoff, GpuClaim, OutOfMemory, Progress, run_attempt
+from eagle3.runtime.attempts import NO_GPU, Backoff, BatchBackoff, GpuClaim, OutOfMemory, Progress, read_backoffs, run_attempt
 from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, inference_mode, resolve_device
 from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
@@ -375,7 +375,8 @@ def regenerate(
             )
         done |= earlier.entries
         todo = [r for r in records if r[0] not in done]
-        backoffs, gpu_memory_after = [], None
+        # a killed run that finished every record took its back-offs with it but listed them here
+        backoffs, gpu_memory_after = [b for log in sorted(work.glob("backoffs*.jsonl")) for b in read_backoffs(log)], None
         if todo:
             with tqdm(total=len(todo), desc="regenerate", unit="rec") as progress:
                 counting = threading.Lock()  # data-parallel workers report from a thread each

@@ -396,8 +396,6 @@ def _publish(
         for key, shard in zip(plan.keys, plan.shards)
     ]
     with store.work_dir("hidden_states", provenance.key) as work:
-        for log in work.glob("backoffs*.jsonl"):  # the manifest lists them; the artifact is the shard list alone
-            log.unlink()
         atomic_write_text(work / "shards.json", json.dumps(listing, indent=0))
         return store.publish(
             work,
@@ -464,8 +462,8 @@ def extract_hidden_states(
     plan = _ShardPlan(cfg, dataset, verifier, aux, shard_root, on_progress)
     if problem := room_problem(plan.total_tokens, verifier.hidden_size, cfg.storage, shutil.disk_usage(shard_root).free):
         raise ArtifactError(shard_root, f"not extracting: {problem}")
-    work = store.work_path("hidden_states", provenance.key)  # for the back-offs; not held, as runs share shards
-    backoffs = [_backoff(cfg, work, 0)]  # one per worker, kept across claims
+    backoff_logs = store.work_path("hidden_states-backoffs", provenance.key)  # not held: concurrent runs share shards
+    backoffs = [_backoff(cfg, backoff_logs, 0)]  # one per worker, kept across claims
     gpu_memory_after = None
     todo = plan.todo
     while todo := plan.unfinished(todo):
@@ -489,7 +487,7 @@ def extract_hidden_states(
                 )
                 if in_step and gpus:
                     workers = place_verifier(verifier.path, gpus, placement, torch.bfloat16)
-                    backoffs += [_backoff(cfg, work, w) for w in range(len(backoffs), len(workers))]
+                    backoffs += [_backoff(cfg, backoff_logs, w) for w in range(len(backoffs), len(workers))]
                     _extract_on_workers(plan, todo, base, workers, backoffs)
                 else:
                     _extract_free_shards(plan, todo, base, gpus, backoffs[0])
@@ -499,7 +497,7 @@ def extract_hidden_states(
                 pass
             if not plan.finished(k):
                 break  # its run died: claim again for it
-    return _publish(
+    manifest = _publish(
         store,
         provenance,
         plan,
@@ -510,3 +508,5 @@ def extract_hidden_states(
         seconds=clock(),
         storage=cfg.storage,
     )
+    shutil.rmtree(backoff_logs, ignore_errors=True)
+    return manifest

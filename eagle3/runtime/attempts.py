@@ -45,6 +45,7 @@ __all__ = [
     "die_with_parent",
     "dying_with_parent",
     "fixed_devices",
+    "read_backoffs",
     "run_attempt",
 ]
 
@@ -197,16 +198,17 @@ class BatchBackoff:
     def __init__(self, setting: str, value: int, minimum_setting: str, minimum: int, kept: str, log: Path | None = None):
         self.setting, self.value, self.minimum_setting, self.minimum, self.kept = setting, value, minimum_setting, minimum, kept
         self.log = log
-        self.taken: list[Backoff] = _read_backoffs(log) if log else []
-        if self.taken and (resumed := max(self.taken[-1].retry_with, minimum)) < value:
-            logger.info(
-                "resuming at %s=%d, where this work backed off to before (%s lists each back-off; delete it to start at %d)",
+        self.taken: list[Backoff] = []
+        earlier = [b for b in read_backoffs(log) if b.setting == setting] if log else []
+        if earlier and (resumed := max(min(b.retry_with for b in earlier), minimum)) < value:
+            logger.warning(
+                "resuming at %s=%d, where this work backed off to before (%s lists each back-off; delete it to start at the configured %d)",
                 setting,
                 resumed,
                 log,
                 value,
             )
-            self.value = resumed
+            self.taken, self.value = earlier, resumed
 
     def after(self, oom: OutOfMemory) -> int:
         """The value to retry with, logged and recorded in `taken`.
@@ -216,9 +218,10 @@ class BatchBackoff:
         """
         if self.value // 2 < self.minimum:
             tried = [b.value for b in self.taken] + [self.value]
+            restart = f" A re-run starts at {self.value} ({self.log} lists the back-offs: delete it to start at the configured value)."
             raise RuntimeError(
                 f"ran out of memory {oom.where} at every batch size tried ({self.setting} = {tried}) down to "
-                f"{self.minimum_setting} = {self.minimum}: {oom.error}. {self.kept}"
+                f"{self.minimum_setting} = {self.minimum}: {oom.error}. {self.kept}{restart if self.log else ''}"
             )
         return self._retry_with(self.value // 2, oom)
 
@@ -234,13 +237,19 @@ class BatchBackoff:
         return value
 
 
-def _read_backoffs(log: Path) -> list[Backoff]:
-    """The back-offs a killed or failed run of the same work took, oldest first; a torn or unreadable
-    file only costs the resumed run its first out-of-memory attempt again, so it is passed over."""
+def read_backoffs(log: Path) -> list[Backoff]:
+    """The back-offs listed in `log`, oldest first. A last line without its newline is a write a kill
+    cut short: it is cut from the file, so the next back-off starts a line of its own. A line that
+    does not read is passed over with a warning: it costs a re-run one out-of-memory attempt at most."""
     if not log.exists():
         return []
-    try:
-        return [Backoff.model_validate_json(line) for line in log.read_text().splitlines(keepends=True) if line.endswith("\n")]
-    except ValueError as exc:
-        logger.warning("%s: not a list of back-offs (%s); starting at the configured batch setting", log, str(exc).splitlines()[0])
-        return []
+    data = log.read_bytes()
+    if (complete := data.rfind(b"\n") + 1) < len(data):
+        os.truncate(log, complete)
+    taken = []
+    for number, line in enumerate(data[:complete].decode(errors="replace").splitlines(), 1):
+        try:
+            taken.append(Backoff.model_validate_json(line))
+        except ValueError as exc:
+            logger.warning("%s: line %d is not a back-off (%s); passed over", log, number, str(exc).splitlines()[0])
+    return taken

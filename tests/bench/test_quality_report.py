@@ -1,0 +1,57 @@
+"""bench/quality.py's report, read from a recorded H100 run (`bench/results/quality_h100_sharegpt_27k/`):
+the draft's speed-up over plain greedy, the table's columns for the ks measured, and the pairing
+with an earlier draft's evaluation."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3.evaluation.tau import PER_PROMPT
+
+RECORDED = Path(__file__).resolve().parents[2] / "bench" / "results" / "quality_h100_sharegpt_27k"
+
+
+@pytest.fixture(scope="module")
+def quality():
+    spec = importlib.util.spec_from_file_location("bench_quality", RECORDED.parents[1] / "quality.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def evaluation():
+    return json.loads((RECORDED / "evaluation_manifest.json").read_text())
+
+
+def test_the_row_gives_each_methods_tokens_per_second_and_the_drafts_speed_up_over_greedy(quality, evaluation):
+    row = quality.eval_row(evaluation, None)
+
+    assert (row["greedy_tok_s"], row["eagle3_k3_tok_s"], row["ngram_k3_tok_s"]) == (201.1, 331.4, 298.6)
+    assert row["eagle3_k3_speedup"] == 1.65  # the figure the README quotes
+
+
+def test_the_table_has_a_column_group_per_k_measured_and_no_empty_column(quality, evaluation):
+    at_k3 = quality.eval_row(evaluation, None)
+    at_k4 = {key.replace("_k3", "_k4"): value for key, value in at_k3.items()}
+
+    columns = quality.table_columns({"mt_bench": at_k3, "own": at_k4})
+
+    assert columns[:3] == ["tau_sim", "eagle3_k3", "eagle3_k3_se"]
+    assert {"eagle3_k4", "eagle3_k4_speedup", "eagle3_k3_speedup"} <= set(columns)
+    assert "eagle3_k5" not in columns and "baseline_seconds" not in columns  # nothing measured there
+
+
+def test_the_comparison_pairs_prompts_as_the_gain_over_ngram_does(quality, evaluation, tmp_path):
+    counts = json.loads((RECORDED / PER_PROMPT).read_text())
+    (tmp_path / PER_PROMPT).write_text(json.dumps({"eagle3": counts["ngram"]}))  # n-gram's decodes as the "earlier draft"
+
+    row = quality.vs_earlier(RECORDED, tmp_path)
+
+    gain = next(g for g in evaluation["gains_over_ngram"] if g["k"] == 3)
+    assert row == {"eagle3_k3_vs_earlier": round(gain["gain"], 3), "eagle3_k3_vs_earlier_se": round(gain["standard_error"], 3)}
+    assert row["eagle3_k3_vs_earlier"] == 0.831

@@ -52,6 +52,9 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     assert {(r["method"], r["k"]) for r in evaluation["results"]} == {("eagle3", 3), ("eagle3", 5), ("ngram", 3), ("ngram", 5)}
     assert all(r["tau"] >= 1.0 for r in evaluation["results"])
     assert "eagle3 k=3: tau" in printed
+    greedy, draft = evaluation["greedy_tokens_per_s"], next(r for r in evaluation["results"] if (r["method"], r["k"]) == ("eagle3", 3))
+    assert f"{draft['tokens_per_s']:.1f} tok/s, {draft['tokens_per_s'] / greedy:.2f}x plain greedy" in printed
+    assert f"plain greedy: {greedy:.1f} tok/s (batch 1, {evaluation['measured_on']})" in printed
     assert f"per token as in validation: {evaluation['draft_token_accuracy']:.3f}" in printed
     assert f"(accuracy's ceiling): {evaluation['draft_vocab_coverage']:.3f}" in printed
     [replay] = (store / "runs").glob("*.yaml")

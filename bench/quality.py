@@ -209,14 +209,28 @@ def _named_files(items: list[str], parser: argparse.ArgumentParser) -> dict[str,
 
 
 def _compare_dirs(items: list[str], names: list[str], parser: argparse.ArgumentParser) -> dict[str, Path]:
-    """`--compare`'s NAME=DIR items as {NAME: DIR}, each NAME an eval set of this run and DIR holding a per_prompt.json."""
+    """`--compare`'s NAME=DIR items as {NAME: DIR}, each NAME an eval set of this run (once) and DIR
+    holding a per_prompt.json."""
     dirs = {}
     for item in items:
         name, _, directory = item.partition("=")
-        if name not in names or not (Path(directory) / "per_prompt.json").is_file():
-            parser.error(f"--compare {item}: expected NAME=DIR with NAME one of {names} and DIR holding a per_prompt.json")
+        if name not in names or name in dirs or not directory or not (Path(directory) / "per_prompt.json").is_file():
+            parser.error(f"--compare {item}: expected NAME=DIR with NAME one of {names} (once) and DIR holding a per_prompt.json")
         dirs[name] = Path(directory).resolve()
     return dirs
+
+
+def check_comparable(earlier: Path, num_prompts: int, max_new_tokens: int) -> str | None:
+    """Why `earlier`'s evaluation cannot be paired with one of `num_prompts` prompts at `max_new_tokens`
+    (None: it can, as far as its files tell), before anything runs: its per_prompt.json's prompt count,
+    and its `evaluation_manifest.json`'s token limit where the directory kept one."""
+    counts = json.loads((earlier / "per_prompt.json").read_text()).get("eagle3", {})
+    if any(len(per_prompt) != num_prompts for per_prompt in counts.values()):
+        return f"it holds {sorted({len(c) for c in counts.values()})} prompts, this run evaluates {num_prompts} (evaluate.num_prompts, --eval-prompts)"
+    manifest = earlier / "evaluation_manifest.json"
+    if manifest.is_file() and (limit := json.loads(manifest.read_text())["config"]["cfg"]["max_new_tokens"]) != max_new_tokens:
+        return f"it decoded {limit} tokens a prompt, this run {max_new_tokens} (evaluate.max_new_tokens)"
+    return None
 
 
 def _counts(flag: str, items: list[str], names: list[str], parser: argparse.ArgumentParser) -> dict[str, int]:
@@ -289,7 +303,7 @@ def speeds(evaluation: dict) -> dict:
     """Tokens/s of plain greedy decoding and of each method at each k, and the draft's speed-up
     over greedy: all decoded at batch 1 on the same verifier forward (CUDA graphs on a GPU)."""
     greedy = evaluation.get("greedy_tokens_per_s")
-    if greedy is None:  # not measured (the vllm backend)
+    if not greedy:  # not measured (the vllm backend)
         return {}
     rows = [r for r in evaluation["results"] if r.get("tokens_per_s")]
     return {
@@ -299,23 +313,31 @@ def speeds(evaluation: dict) -> dict:
     }
 
 
+def _draft_ks(directory: Path) -> set[int]:
+    """The ks at which the draft's per-prompt counts were kept in `directory` (none: no per_prompt.json)."""
+    path = directory / "per_prompt.json"
+    return set(map(int, json.loads(path.read_text()).get("eagle3", {}))) if path.is_file() else set()
+
+
 def vs_earlier(artifact: Path, earlier: Path) -> dict:
     """This draft's tau minus an earlier draft's on the same prompts, paired, with its standard
     error, at each k both measured: `artifact` and `earlier` each hold an evaluation's
-    `per_prompt.json` (an evaluation artifact, or a results directory that kept one)."""
-    from eagle3.evaluation.tau import PER_PROMPT, gain_over, read_counts
+    `per_prompt.json` (an evaluation artifact, or a results directory that kept one). Empty, with a
+    note, where they share no k (or this evaluation kept no per-prompt counts: backend 'vllm')."""
+    from eagle3.evaluation.tau import gain_over, read_counts
 
     row = {}
-    for k in sorted(map(int, json.loads((artifact / PER_PROMPT).read_text()).get("eagle3", {}))):
+    for k in sorted(_draft_ks(artifact) & _draft_ks(earlier)):
         mine, theirs = read_counts(artifact, "eagle3", k), read_counts(earlier, "eagle3", k)
-        if mine is None or theirs is None:
-            continue
+        assert mine is not None and theirs is not None  # both files list k
         if len(mine) != len(theirs):
-            raise SystemExit(f"--compare: {earlier / PER_PROMPT} holds {len(theirs)} prompts at k = {k}, this evaluation {len(mine)}")
+            raise SystemExit(f"--compare: {earlier} holds {len(theirs)} prompts at k = {k}, this evaluation {len(mine)}")
         gain, error = gain_over(mine, theirs)
         if gain is not None:
             row[f"eagle3_k{k}_vs_earlier"] = round(gain, 3)
             row[f"eagle3_k{k}_vs_earlier_se"] = None if error is None else round(error, 3)
+    if not row:
+        print(f"--compare: {artifact} and {earlier} share no k with per-prompt counts: no comparison", file=sys.stderr)
     return row
 
 
@@ -507,6 +529,9 @@ def main() -> None:
     mix = {"alpaca": trained_instructions or len(_lines(Path(cfg.dataset.path))), **extra}
     if extra:
         cfg = with_extra_training_prompts(cfg, extra, data, store, args.sharegpt and args.sharegpt.resolve())
+    for name, directory in earlier.items():
+        if problem := check_comparable(directory, prompt_counts.get(name) or cfg.evaluate.num_prompts, cfg.evaluate.max_new_tokens):
+            parser.error(f"--compare {name}={directory}: {problem}")
     rows, first_run, summary = {}, None, None
     if not args.from_store:
         ensure_gpu_limit()

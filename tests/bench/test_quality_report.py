@@ -4,6 +4,7 @@ with an earlier draft's evaluation."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 from pathlib import Path
@@ -55,3 +56,19 @@ def test_the_comparison_pairs_prompts_as_the_gain_over_ngram_does(quality, evalu
     gain = next(g for g in evaluation["gains_over_ngram"] if g["k"] == 3)
     assert row == {"eagle3_k3_vs_earlier": round(gain["gain"], 3), "eagle3_k3_vs_earlier_se": round(gain["standard_error"], 3)}
     assert row["eagle3_k3_vs_earlier"] == 0.831
+
+
+def test_an_earlier_evaluation_of_other_prompts_or_lengths_is_refused_before_anything_runs(quality):
+    assert quality.check_comparable(RECORDED, 80, 256) is None
+    assert "it holds [80] prompts, this run evaluates 30" in quality.check_comparable(RECORDED, 30, 256)
+    assert "it decoded 256 tokens a prompt, this run 64" in quality.check_comparable(RECORDED, 80, 64)
+
+
+@pytest.mark.parametrize("item", ["mt_bench", "mt_bench=", "gsm8k=DIR", "mt_bench=DIR mt_bench=DIR"])
+def test_compare_wants_each_eval_set_once_with_a_directory_holding_per_prompt_counts(quality, item, capsys):
+    items = item.replace("DIR", str(RECORDED)).split()
+
+    with pytest.raises(SystemExit):
+        quality._compare_dirs(items, ["mt_bench"], argparse.ArgumentParser())
+
+    assert "expected NAME=DIR with NAME one of ['mt_bench'] (once)" in capsys.readouterr().err

@@ -49,7 +49,17 @@ from tqdm import tqdm
 from eagle3.config import RegenerateConfig, VerifierConfig
 from eagle3.data.earlier_answers import CONVERSATIONS, earlier_answers, regenerate_provenance
 from eagle3.data.prepare_dataset import Record, read_user_turns
-from eagle3.runtime.attempts import NO_GPU, Backoff, BatchBackoff, GpuClaim, OutOfMemory, Progress, read_backoffs, run_attempt
+from eagle3.runtime.attempts import (
+    NO_GPU,
+    Backoff,
+    BatchBackoff,
+    GpuClaim,
+    OutOfMemory,
+    Progress,
+    read_backoffs,
+    run_attempt,
+    worker_backoff_log,
+)
 from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, inference_mode, resolve_device
 from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
@@ -222,10 +232,16 @@ def _transformers_attempt(spec: RegenerateAttempt, on_progress: Progress) -> Out
 
 
 def _regenerate_on(
-    todo: list[Record], cfg: RegenerateConfig, verifier: VerifierManifest, done_log: Path, worker: Worker | None, records_done
+    todo: list[Record],
+    cfg: RegenerateConfig,
+    verifier: VerifierManifest,
+    done_log: Path,
+    backoff_log: Path,
+    worker: Worker | None,
+    records_done,
 ) -> list[Backoff]:
     """Run attempts on one worker (None: in this process, on `cfg.device`) until every record of
-    `todo` is in `done_log`; the back-offs taken."""
+    `todo` is in `done_log`; the back-offs taken (listed in `backoff_log` as they are)."""
     backoff = BatchBackoff(
         "regenerate.batch_size",
         cfg.batch_size,
@@ -233,7 +249,7 @@ def _regenerate_on(
         cfg.min_batch_size,
         kept=f"Finished records are kept in {done_log.parent}: a re-run resumes there. Lower regenerate.min_batch_size "
         "or max_new_tokens, shorten those prompts, or use a device with more memory.",
-        log=done_log.with_name(done_log.name.replace("done", "backoffs", 1)),  # worker w's: done.w.jsonl, backoffs.w.jsonl
+        log=backoff_log,
     )
     device = worker.device if worker else str(resolve_device(cfg.device))
     spec = RegenerateAttempt(
@@ -285,13 +301,13 @@ def _regenerate_by_transformers(
     import torch
 
     if gpus is None:
-        return _regenerate_on(todo, cfg, verifier, work / DONE_LOG, None, records_done)
+        return _regenerate_on(todo, cfg, verifier, work / DONE_LOG, worker_backoff_log(work, 0), None, records_done)
     workers = place_verifier(verifier.path, gpus, placement, torch.bfloat16)
     logs = [work / DONE_LOG] + [work / f"done.{w}.jsonl" for w in range(1, len(workers))]
     with ThreadPoolExecutor(len(workers), thread_name_prefix="regenerate-worker") as pool:
         futures = [
-            pool.submit(_regenerate_on, share, cfg, verifier, log, worker, records_done)
-            for share, log, worker in zip(_shares(todo, cfg.batch_size, len(workers)), logs, workers)
+            pool.submit(_regenerate_on, share, cfg, verifier, log, worker_backoff_log(work, w), worker, records_done)
+            for w, (share, log, worker) in enumerate(zip(_shares(todo, cfg.batch_size, len(workers)), logs, workers))
         ]
     return [taken for future in futures for taken in future.result()]
 

@@ -47,7 +47,7 @@ from eagle3.extraction.shards import HiddenStatesManifest, code_step, hs_path, s
 from eagle3.extraction.storage import room_problem
 from eagle3.extraction.vllm_engine import EngineStates, engine_identity
 from eagle3.extraction.writer import OverlappedWriter
-from eagle3.runtime.attempts import BACKOFF_LOG, NO_GPU, BatchBackoff, GpuClaim, OutOfMemory, Progress, run_attempt
+from eagle3.runtime.attempts import NO_GPU, BatchBackoff, GpuClaim, OutOfMemory, Progress, run_attempt, worker_backoff_log
 from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, inference_mode, resolve_device
 from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
@@ -372,14 +372,14 @@ def _extract_on_workers(
 
 
 def _backoff(cfg: ExtractConfig, work: Path, worker: int) -> BatchBackoff:
-    """Worker `worker`'s back-off, listed in `work` (`BACKOFF_LOG` for worker 0, as regeneration's)."""
+    """Worker `worker`'s back-off, listed in `work`."""
     return BatchBackoff(
         "extract.prefill_batch_tokens",
         cfg.prefill_batch_tokens,
         "extract.min_prefill_batch_tokens",
         cfg.min_prefill_batch_tokens,
         kept="Finished shards are kept. Lower dataset.max_seq_len or extract.min_prefill_batch_tokens, or use a device with more memory.",
-        log=work / (BACKOFF_LOG if worker == 0 else f"backoffs.{worker}.jsonl"),
+        log=worker_backoff_log(work, worker),
     )
 
 

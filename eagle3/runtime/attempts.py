@@ -47,6 +47,7 @@ __all__ = [
     "fixed_devices",
     "read_backoffs",
     "run_attempt",
+    "worker_backoff_log",
 ]
 
 Spec = TypeVar("Spec", bound=BaseModel)
@@ -59,6 +60,12 @@ logger = logging.getLogger(__name__)
 BACKOFF_LOG = "backoffs.jsonl"
 """Where a step's work directory lists the back-offs taken so far: a re-run of a killed or failed step
 starts at the batch setting they left, instead of running out of memory at the configured one again."""
+
+
+def worker_backoff_log(directory: Path, worker: int) -> Path:
+    """Data-parallel worker `worker`'s back-off log in `directory` (worker 0's is `BACKOFF_LOG`)."""
+    return directory / (BACKOFF_LOG if worker == 0 else f"backoffs.{worker}.jsonl")
+
 
 GpuClaim = Callable[[], AbstractContextManager["list[str] | None"]]
 """How a step gets its GPUs: entered once the step holds its work directory (extraction, which locks

@@ -171,9 +171,8 @@ class ArtifactStore:
 
     @contextmanager
     def _held_work_dir(self, step: str, key: str) -> Iterator[tuple[Path, bool]]:
-        name = f"{step}-{key[:24]}"
-        with exclusive(self.root / "locks" / f"{name}.lock", f"another run of step '{step}' on the same inputs") as waited:
-            path = self.work_path(step, key)
+        path = self.work_path(step, key)
+        with exclusive(self.root / "locks" / f"{path.name}.lock", f"another run of step '{step}' on the same inputs") as waited:
             path.mkdir(parents=True, exist_ok=True)
             for stale in path.rglob(f".*{TEMP_SUFFIX}"):  # a killed run's unfinished write, not part of any output
                 stale.unlink()

@@ -72,3 +72,13 @@ def test_compare_wants_each_eval_set_once_with_a_directory_holding_per_prompt_co
         quality._compare_dirs(items, ["mt_bench"], argparse.ArgumentParser())
 
     assert "expected NAME=DIR with NAME one of ['mt_bench'] (once)" in capsys.readouterr().err
+
+
+def test_the_fc_norm_runs_recorded_gain_over_the_draft_without_it_comes_from_both_runs_prompts(quality):
+    fc_norm = RECORDED.with_name("quality_h100_sharegpt_27k_fc_norm")
+    recorded = json.loads((fc_norm / "mt_bench.json").read_text())["eval"]["mt_bench"]
+
+    row = quality.vs_earlier(fc_norm, RECORDED)
+
+    assert row == {key: recorded[key] for key in ("eagle3_k3_vs_earlier", "eagle3_k3_vs_earlier_se")}  # k = 4: fc_norm's run alone
+    assert (row["eagle3_k3_vs_earlier"], row["eagle3_k3_vs_earlier_se"]) == (0.003, 0.015)  # the figures the docs quote

@@ -424,7 +424,8 @@ def extract_hidden_states(
     claim: GpuClaim = NO_GPU,
     placement: VerifierConfig | None = None,
 ) -> HiddenStatesManifest:
-    """Extract every shard of `dataset` not already in the store, then publish the shard list.
+    """Extract every shard of `dataset` not already in the store, then publish the shard list (the
+    list the store has published for `provenance`, if it holds one: nothing is read or extracted).
 
     `claim`: the CUDA devices to extract on, claimed only if a shard is left to extract; each
     attempt then runs in a child process seeing only them (none claimed: in this process on
@@ -451,6 +452,8 @@ def extract_hidden_states(
     """
     import torch
 
+    if (published := store.published(HiddenStatesManifest, provenance)) is not None:
+        return published  # as `ArtifactStore.step_work_dir` does for the other steps
     clock = Stopwatch()
     served = cfg.endpoints() if cfg.backend == "vllm" else []
     served_states = Path(cfg.served_states_dir or store.root / SERVED_STATES).expanduser()

@@ -15,8 +15,12 @@ directory whose files are on disk (fsynced), so a reader never sees half an arti
 after a power loss. Publishing bytes the store already holds checks the stored copy first
 (`artifact_damage`) and replaces it if a file changed since: recomputing repairs an artifact.
 A step holds its work directory's lock while it runs: two runs of a step on the same inputs take
-turns instead of writing into one directory, and the later one returns what the earlier one
-published (`step_work_dir`) instead of doing the step again.
+turns instead of writing into one directory. The store, not Prefect's result cache, is the record of
+what was computed: a step whose provenance the store has published returns that artifact instead of
+running again (`step_work_dir`), whether another run published it while this one waited or long
+before, from a Prefect setup whose results this one cannot see (another host or PREFECT_HOME, a fresh
+container). So a step that is not deterministic (GPU regeneration or training in bfloat16) is never
+computed twice for one key, and the keys downstream of it hold.
 """
 
 from __future__ import annotations
@@ -142,14 +146,16 @@ class ArtifactStore:
 
     @contextmanager
     def step_work_dir(self, manifest_type: type[M], provenance: Provenance) -> Iterator[tuple[Path, M | None]]:
-        """`work_dir` for a step keyed by its provenance, and the artifact another run published for
-        the same provenance while this one waited for it: the step returns that instead of running
-        again (None: it did not wait, or the other run did not finish)."""
+        """`work_dir` for a step keyed by its provenance, and the artifact the store has published for
+        the same provenance (by another run while this one waited, or by any earlier run): the step
+        returns that instead of running again (None: none published, or it is gone)."""
         kind = manifest_type.model_fields["kind"].default
         with self._held_work_dir(kind, provenance.key) as (path, waited):
-            done = self.published(manifest_type, provenance) if waited else None
-            if done is not None:
+            done = self.published(manifest_type, provenance)
+            if done is not None and waited:
                 logger.warning("%s: another run published it for the same inputs while this one waited; reusing %s", kind, done.digest[:12])
+            elif done is not None:
+                logger.info("%s: the store already holds it for these inputs; reusing %s", kind, done.digest[:12])
             yield path, done
 
     def published(self, manifest_type: type[M], provenance: Provenance) -> M | None:

@@ -105,7 +105,9 @@ def export_checkpoint(
     from speculators.models.eagle3 import Eagle3DraftModel
 
     clock = Stopwatch()
-    with store.work_dir("checkpoint", provenance.key) as work:
+    with store.step_work_dir(ExportManifest, provenance) as (work, published):
+        if published is not None:
+            return published
         for name in ("config.json", "model.safetensors"):
             shutil.copy2(Path(draft.path) / draft.checkpoint / name, work / name)
         name_or_path = cfg.verifier_name_or_path or str(verifier.path)

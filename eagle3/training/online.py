@@ -75,7 +75,9 @@ def online_states(
         "hidden_size": verifier.hidden_size,
         "storage": cfg.storage,
     }
-    with store.work_dir("online_states", provenance.key) as work:
+    with store.step_work_dir(OnlineStatesManifest, provenance) as (work, published):
+        if published is not None:
+            return published
         atomic_write_text(work / "online.json", json.dumps(recipe, indent=0))
         return store.publish(
             work,

@@ -57,6 +57,8 @@ def build_vocab_mapping(
             f"vocab.draft_vocab_size = {cfg.draft_vocab_size} exceeds the verifier's vocabulary "
             f"({verifier_vocab_size}); set it at most {verifier_vocab_size}."
         )
+    if (published := store.published(VocabManifest, provenance)) is not None:
+        return published
     freq_table = pq.read_table(Path(dataset.path) / "token_freq.parquet").to_pydict()
     freq = dict(zip(freq_table["token_id"], freq_table["count"]))
     d2t, t2d = build_vocab_mappings_from_distribution(freq, cfg.draft_vocab_size, verifier_vocab_size)

@@ -58,8 +58,9 @@ def exported_fc_norm(exported):
     store, verifier, hidden, _ = exported
     dataset = prepare_dataset(DatasetConfig(max_seq_len=256), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=512), dataset, verifier.vocab_size, store, Provenance())
-    draft = train_draft(TrainConfig(epochs=1, total_seq_len=512, fc_norm=True), dataset, hidden, vocab, verifier, store, Provenance())
-    return store, verifier, hidden, export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
+    own = Provenance(config={"fc_norm": True})  # not `exported`'s key: the store would hand back its draft
+    draft = train_draft(TrainConfig(epochs=1, total_seq_len=512, fc_norm=True), dataset, hidden, vocab, verifier, store, own)
+    return store, verifier, hidden, export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, own)
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def test_aux_layer_ids_out_of_range_name_the_verifier_and_layers(prepared):
     store, verifier, dataset = prepared
 
     with pytest.raises(ConfigError, match=r"extract.aux_layer_ids = \[1, 2, 9\]: verifier '.*' has 4 layers.*out of range: \[9\]"):
-        extract_hidden_states(ExtractConfig(aux_layer_ids=[1, 2, 9]), dataset, verifier, store, Provenance())
+        extract_hidden_states(ExtractConfig(aux_layer_ids=[1, 2, 9]), dataset, verifier, store, Provenance(config={"aux": [1, 2, 9]}))
 
 
 def test_default_aux_ids_need_enough_layers(prepared):
@@ -84,7 +84,7 @@ def test_default_aux_ids_need_enough_layers(prepared):
     with pytest.raises(
         ConfigError, match=r"the default extract\.aux_layer_ids \[2, n//2, n-3\] = .* Set extract\.aux_layer_ids to 3 distinct"
     ):
-        extract_hidden_states(ExtractConfig(), dataset, verifier, store, Provenance())
+        extract_hidden_states(ExtractConfig(), dataset, verifier, store, Provenance(config={"aux": None}))
 
 
 def test_killed_extraction_resumes_at_the_first_unfinished_shard(prepared, tmp_path):

@@ -251,10 +251,14 @@ def test_a_run_that_waited_for_the_same_step_returns_what_the_other_run_publishe
     assert any("another run published it for the same inputs" in m for m in waits)
 
 
-def test_a_run_that_did_not_wait_does_the_step_even_when_its_inputs_were_published(tmp_path, chatml, conversations):
+def test_a_step_the_store_already_published_returns_it_without_reading_its_inputs(tmp_path, chatml, conversations):
     store, provenance = ArtifactStore(tmp_path / "store"), Provenance(config={"run": "same"})
-    prepare_dataset(DatasetConfig(), conversations, chatml, store, provenance)
+    first = prepare_dataset(DatasetConfig(), conversations, chatml, store, provenance)
+    conversations.unlink()  # a run that did the step again would fail reading it
 
+    again = prepare_dataset(DatasetConfig(), conversations, chatml, store, provenance)
+
+    assert again == first  # the stored manifest: the first run's time and producer
     with store.step_work_dir(DatasetManifest, provenance) as (work, published):
-        assert published is None and work.is_dir()
+        assert published == first and work.is_dir()
     assert not work.exists()  # nothing was written in it: an empty work dir goes on release

@@ -526,3 +526,16 @@ def test_thinking_is_stripped_or_kept_from_the_answer_and_a_servers_reasoning_fi
     assert _answer_text("<think>plan</think>Four.", None, strip_thinking=False) == "<think>plan</think>Four."
     assert _answer_text("Four.", "plan", strip_thinking=True) == "Four."
     assert _answer_text("Four.", "plan", strip_thinking=False) == "<think>\nplan\n</think>\n\nFour."
+
+
+def test_a_regeneration_the_store_already_published_is_handed_back_not_generated_or_reused_again(verifier, prompts, monkeypatch):
+    """What a fresh Prefect setup (another host, a new PREFECT_HOME) meets: no cached task result, the
+    store's artifact. On a GPU in bfloat16 a second regeneration would differ, and so every key after it."""
+    store, manifest = verifier
+    provenance = regenerate_provenance(store, CFG, prompts, manifest)
+    first = regenerate(CFG, prompts, manifest, store, provenance)
+    monkeypatch.setenv(FAULT_OOM_ENV, "1")  # any batch the verifier were given would fail
+
+    again = regenerate(CFG, prompts, manifest, store, provenance)
+
+    assert again == first  # not a new artifact built from the first one's answers (reused_records 0)

@@ -272,7 +272,9 @@ def test_previous_draft_is_the_latest_for_this_verifier_and_shape_trained_on_oth
     from conftest import SAMPLE
 
     store, verifier, dataset, hidden, _vocab = inputs
-    grown = prepare_dataset(DatasetConfig(max_seq_len=200), SAMPLE, load_tokenizer(verifier.path), store, Provenance())
+    grown = prepare_dataset(
+        DatasetConfig(max_seq_len=200), SAMPLE, load_tokenizer(verifier.path), store, Provenance(config={"grown": True})
+    )
 
     found = previous_draft(store, TRAIN, verifier, hidden, grown)
 

@@ -247,6 +247,31 @@ def test_changing_only_batch_knobs_file_locations_or_settings_of_an_unused_backe
     assert result.checkpoint.digest == first.checkpoint.digest
 
 
+def test_a_prefect_setup_without_the_cached_results_reuses_the_stores_artifacts_and_computes_nothing(
+    shared_first_run, tmp_path, monkeypatch
+):
+    """The store is the record of what was computed, not Prefect's result storage: a run from
+    another host or PREFECT_HOME (a fresh container) finds every step's artifact there."""
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+    from eagle3.runtime.faults import FAULT_OOM_ENV
+
+    config, first = shared_first_run
+    monkeypatch.setenv(FAULT_OOM_ENV, "1")  # a step that extracted, trained or decoded anything would fail
+
+    with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: str(tmp_path / "fresh-results")}):
+        second, states = _run(config)
+        third, states_again = _run(config)
+
+    assert states == dict.fromkeys(STEPS, "Completed")  # no cached result: each task ran, and found its artifact
+    assert second.lineage.changes == (
+        f"Nothing changed: this run produced no artifact; all 7 artifacts it used come from earlier runs ({first.lineage.run_id})."
+    )
+    assert second.checkpoint == first.checkpoint and second.evaluation == first.evaluation
+    assert states_again == dict.fromkeys(STEPS, "Cached")  # the results are Prefect's again from then on
+    assert third.checkpoint == first.checkpoint
+
+
 def test_editing_the_dataset_in_place_reruns_everything_downstream(first_run, conversations):
     config, first = first_run
     lines = conversations.read_text().splitlines()

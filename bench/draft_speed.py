@@ -2,6 +2,7 @@
 
     python bench/draft_speed.py --tau 2.554                    # one GPU: SmolLM2-135M's shape, random weights
     python bench/draft_speed.py --num-prompts 2 --max-new-tokens 16 --verifier-layers 8   # CPU smoke run
+    python bench/draft_speed.py --checkpoint STORE/artifacts/<checkpoint digest> --prompts mt_bench_questions.jsonl --num-prompts 80
 
 A random-weight verifier of SmolLM2-135M-Instruct's shape (30 layers, H 576, vocab 49152; the
 tests' byte-level ChatML tokenizer) and a random-weight EAGLE-3 draft over it (speculators'
@@ -15,7 +16,12 @@ Each decodes one prompt untimed first (warm-up, graph captures); every output mu
 greedy's. The random draft has no norm before its fc layer (trained drafts do: one fused kernel more);
 `--fc-norm` gives it EAGLE 3.1's per-layer norms instead.
 
-The draft is untrained, so nearly every drafted token is rejected: the row's own tokens/s is not a
+`--checkpoint DIR` decodes with a trained draft the pipeline exported instead, beside its verifier
+(`--verifier`, default the pipeline's: SmolLM2-135M-Instruct's GGUF), on `--prompts` (default the
+package's sample eval prompts): the same split of a pass's time for a draft whose tokens are
+accepted, with rounds after 1 to k + 1 confirmed tokens, as the evaluation step decodes.
+
+A random draft is untrained, so nearly every drafted token is rejected: the row's own tokens/s is not a
 trained draft's. What it measures is the cost of a round (the draft's k steps, timed from the call
 to the proposer to the k tokens on the host), of the verifier's (k + 1)-token pass (both leave
 each prompt's first pass out) and the wall time per verifier pass of the whole decode (the host's
@@ -44,7 +50,7 @@ from tiny_models import tiny_tokenizer
 from eagle3.config import EvalConfig, VerifierConfig
 from eagle3.evaluation.baseline import DecodingModel, chat_prompts, device_name, read_prompts
 from eagle3.evaluation.draft_proposer import Eagle3Proposer, StaticEagle3Proposer
-from eagle3.evaluation.evaluate import eval_prompts_source
+from eagle3.evaluation.evaluate import eval_prompts_source, load_draft
 from eagle3.evaluation.speculative import greedy_decode, speculative_decode
 from eagle3.extraction.extract_hidden_states import resolve_aux_layer_ids
 from eagle3.store.artifacts import ArtifactStore
@@ -165,21 +171,34 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--fc-norm", action="store_true", help="a draft with EAGLE 3.1's per-layer norms (train.fc_norm)")
     parser.add_argument("--tau", type=float, help="project tokens/s for a trained draft of this measured tau")
+    parser.add_argument("--checkpoint", type=Path, help="a trained draft's exported checkpoint, in place of a random draft")
+    parser.add_argument("--verifier", help="the checkpoint's verifier (default: the pipeline's)")
+    parser.add_argument("--prompts", type=Path, help="prompts to decode (default: the package's sample eval prompts)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = random_verifier(Path(tmp) / "verifier", args.verifier_layers)
-        verifier = resolve_verifier(VerifierConfig(path=str(path)), ArtifactStore(Path(tmp) / "store"))
-        source = eval_prompts_source(EvalConfig())
+        store = ArtifactStore(Path(tmp) / "store")
+        if args.checkpoint:
+            verifier = resolve_verifier(VerifierConfig(path=args.verifier), store)
+        else:
+            path = random_verifier(Path(tmp) / "verifier", args.verifier_layers)
+            verifier = resolve_verifier(VerifierConfig(path=str(path)), store)
+        source = args.prompts or eval_prompts_source(EvalConfig())
         prompts = chat_prompts(verifier, read_prompts(source, args.num_prompts + 1), source)
         on = DecodingModel.load(verifier, prompts, "auto", args.dtype)
-        aux = resolve_aux_layer_ids(None, verifier.num_hidden_layers, verifier.path)
-        draft = (
-            random_draft(verifier.path, aux, args.draft_layers, args.draft_vocab, args.fc_norm)
-            .to(on.device, getattr(torch, args.dtype))
-            .eval()
-        )
+        if args.checkpoint:
+            draft = load_draft(args.checkpoint, verifier.path, on.device, getattr(torch, args.dtype))
+            aux = list(draft.config.eagle_aux_hidden_state_layer_ids)
+            args.verifier_layers, args.draft_layers = verifier.num_hidden_layers, draft.config.transformer_layer_config.num_hidden_layers
+            args.draft_vocab, args.fc_norm = draft.config.draft_vocab_size, draft.fc_norm is not None
+        else:
+            aux = resolve_aux_layer_ids(None, verifier.num_hidden_layers, verifier.path)
+            draft = (
+                random_draft(verifier.path, aux, args.draft_layers, args.draft_vocab, args.fc_norm)
+                .to(on.device, getattr(torch, args.dtype))
+                .eval()
+            )
     capture = HiddenStateCapture(on.model.get_decoder(), aux)
     max_len = max(map(len, on.prompts)) + args.max_new_tokens + args.k
     forward = on.forward(capture, args.max_new_tokens)
@@ -201,9 +220,11 @@ def main() -> None:
     capture.close()
 
     static_kind = "CUDA graphs" if proposers["static"].graphs else "eager"
+    verifier_weights = f"weights of {args.verifier or 'the default verifier'}" if args.checkpoint else "random weights"
+    draft_weights = f"trained ({args.checkpoint})" if args.checkpoint else "random weights"
     print(
         f"{device_name(on.device)}; verifier: {getattr(forward, 'kind', type(forward).__name__)}, {args.verifier_layers} layers "
-        f"x H576, random weights; draft: {args.draft_layers} layers, vocab {args.draft_vocab}, random weights; "
+        f"x H{verifier.hidden_size}, {verifier_weights}; draft: {args.draft_layers} layers, vocab {args.draft_vocab}, {draft_weights}; "
         f"{len(timed)} prompts x {args.max_new_tokens} tokens, k={args.k}, {args.dtype}"
     )
     print(
@@ -223,6 +244,8 @@ def main() -> None:
         "verifier_forward": getattr(forward, "kind", type(forward).__name__),
         "static_rounds": static_kind,
         "compile_s": compile_s,
+        "checkpoint": str(args.checkpoint) if args.checkpoint else None,
+        "prompts": str(source),
         "verifier_layers": args.verifier_layers,
         "draft_layers": args.draft_layers,
         "draft_vocab": args.draft_vocab,

@@ -33,7 +33,16 @@ def test_the_row_gives_each_methods_tokens_per_second_and_the_drafts_speed_up_ov
     row = quality.eval_row(evaluation, None)
 
     assert (row["greedy_tok_s"], row["eagle3_k3_tok_s"], row["ngram_k3_tok_s"]) == (201.1, 331.4, 298.6)
-    assert row["eagle3_k3_speedup"] == 1.65  # the figure the README quotes
+    assert row["eagle3_k3_speedup"] == 1.65
+
+
+def test_the_fc_norm_runs_speed_ups_are_the_ones_the_docs_quote(quality):
+    fc_norm = json.loads((RECORDED.with_name("quality_h100_sharegpt_27k_fc_norm") / "evaluation_manifest.json").read_text())
+
+    row = quality.eval_row(fc_norm, None)
+
+    assert (row["greedy_tok_s"], row["eagle3_k3_tok_s"], row["eagle3_k4_tok_s"]) == (285.7, 456.3, 486.5)
+    assert (row["eagle3_k3_speedup"], row["eagle3_k4_speedup"]) == (1.6, 1.7)
 
 
 def test_the_table_has_a_column_group_per_k_measured_and_no_empty_column(quality, evaluation):

@@ -187,15 +187,17 @@ def work_dir_path(store, step: str, key: str):
 
 
 class LogSeen(logging.Handler):
-    """`seen` is set once a log record containing `message` is emitted."""
+    """`seen` is set once a log record containing `message` is emitted; `messages`: each such record's."""
 
     def __init__(self, message: str):
         super().__init__()
         self.message = message
         self.seen = threading.Event()
+        self.messages: list[str] = []
 
     def emit(self, record):
-        if self.message in record.getMessage():
+        if self.message in (text := record.getMessage()):
+            self.messages.append(text)
             self.seen.set()
 
 

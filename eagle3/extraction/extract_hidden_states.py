@@ -29,6 +29,7 @@ in a child process that captures them inside its workers and writes the shard's 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import threading
@@ -62,6 +63,8 @@ if TYPE_CHECKING:  # imported where used: the flow loads this module on every ru
     import torch
 
 __all__ = ["extract_hidden_states", "extraction_provenance", "prefill_batches", "resolve_aux_layer_ids"]
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_aux_layer_ids(ids: list[int] | None, num_layers: int, verifier: Path) -> list[int]:
@@ -414,6 +417,17 @@ def _publish(
         )
 
 
+def _published_whole(store: ArtifactStore, provenance: Provenance, shard_root: Path) -> HiddenStatesManifest | None:
+    """The shard list the store published for `provenance`, if every shard it lists is still there
+    (as `ArtifactStore.step_work_dir` hands the other steps theirs); else None: the step runs, and
+    extracts what went."""
+    published = store.published(HiddenStatesManifest, provenance, check_files=True)
+    if published is None or all((shard_root / shard["key"] / "done.json").exists() for shard in published.shards):
+        return published
+    logger.warning("hidden_states: shards of the published list %s are gone; extracting them again", published.digest[:12])
+    return None
+
+
 def extract_hidden_states(
     cfg: ExtractConfig,
     dataset: DatasetManifest,
@@ -425,7 +439,8 @@ def extract_hidden_states(
     placement: VerifierConfig | None = None,
 ) -> HiddenStatesManifest:
     """Extract every shard of `dataset` not already in the store, then publish the shard list (the
-    list the store has published for `provenance`, if it holds one: nothing is read or extracted).
+    list the store has published for `provenance`, if it holds one whose shards are all there:
+    nothing is extracted).
 
     `claim`: the CUDA devices to extract on, claimed only if a shard is left to extract; each
     attempt then runs in a child process seeing only them (none claimed: in this process on
@@ -452,8 +467,6 @@ def extract_hidden_states(
     """
     import torch
 
-    if (published := store.published(HiddenStatesManifest, provenance)) is not None:
-        return published  # as `ArtifactStore.step_work_dir` does for the other steps
     clock = Stopwatch()
     served = cfg.endpoints() if cfg.backend == "vllm" else []
     served_states = Path(cfg.served_states_dir or store.root / SERVED_STATES).expanduser()
@@ -462,10 +475,13 @@ def extract_hidden_states(
     aux = resolve_aux_layer_ids(cfg.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
     shard_root = store.root / "shards"
     shard_root.mkdir(exist_ok=True)
+    backoff_logs = store.work_path("hidden_states-backoffs", provenance.key)  # not held: concurrent runs share shards
+    if (published := _published_whole(store, provenance, shard_root)) is not None:
+        shutil.rmtree(backoff_logs, ignore_errors=True)  # a run killed after publishing left them
+        return published
     plan = _ShardPlan(cfg, dataset, verifier, aux, shard_root, on_progress)
     if problem := room_problem(plan.total_tokens, verifier.hidden_size, cfg.storage, shutil.disk_usage(shard_root).free):
         raise ArtifactError(shard_root, f"not extracting: {problem}")
-    backoff_logs = store.work_path("hidden_states-backoffs", provenance.key)  # not held: concurrent runs share shards
     backoffs = [_backoff(cfg, backoff_logs, 0)]  # one per worker, kept across claims
     gpu_memory_after = None
     todo = plan.todo

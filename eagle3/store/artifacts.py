@@ -19,8 +19,9 @@ turns instead of writing into one directory. The store, not Prefect's result cac
 what was computed: a step whose provenance the store has published returns that artifact instead of
 running again (`step_work_dir`), whether another run published it while this one waited or long
 before, from a Prefect setup whose results this one cannot see (another host or PREFECT_HOME, a fresh
-container). So a step that is not deterministic (GPU regeneration or training in bfloat16) is never
-computed twice for one key, and the keys downstream of it hold.
+container). So a step that is not deterministic (GPU regeneration or training in bfloat16) is not
+computed again for a key the store holds, and the keys downstream of it hold. An artifact found
+damaged there (`artifact_damage`) is computed again, which repairs it.
 """
 
 from __future__ import annotations
@@ -151,24 +152,37 @@ class ArtifactStore:
         returns that instead of running again (None: none published, or it is gone)."""
         kind = manifest_type.model_fields["kind"].default
         with self._held_work_dir(kind, provenance.key) as (path, waited):
-            done = self.published(manifest_type, provenance)
-            if done is not None and waited:
-                logger.warning("%s: another run published it for the same inputs while this one waited; reusing %s", kind, done.digest[:12])
-            elif done is not None:
-                logger.info("%s: the store already holds it for these inputs; reusing %s", kind, done.digest[:12])
+            done = self.published(manifest_type, provenance, check_files=True)
+            if done is not None:
+                if waited:
+                    logger.warning("%s: another run published it for the same inputs while this one waited", kind)
+                if any(path.iterdir()):  # a run killed between publishing and clearing up: nothing here is needed
+                    shutil.rmtree(path)
             yield path, done
 
-    def published(self, manifest_type: type[M], provenance: Provenance) -> M | None:
-        """The artifact published for `provenance`, if the store still holds it (None: never, or deleted).
-        Its stored manifest is its first publisher's, whose provenance may differ (same bytes): the one
-        returned carries `provenance`."""
-        pointer = self._pointer(manifest_type.model_fields["kind"].default, provenance.key)
-        if pointer.exists() and (self.artifact_dir(digest := pointer.read_text()) / MANIFEST).exists():
-            try:
-                return self.load(manifest_type, digest).model_copy(update=provenance.model_dump())
-            except ArtifactError as exc:  # the step runs again, and its publish replaces the damaged copy
-                logger.warning("%s; computing it again", exc)
-        return None
+    def published(self, manifest_type: type[M], provenance: Provenance, check_files: bool = False) -> M | None:
+        """The artifact published for `provenance`, if the store still holds it (None: never, deleted,
+        or damaged: its manifest does not read as `manifest_type`, or with `check_files` its files no
+        longer hash to its digest, which costs a read of them). Its stored manifest is its first
+        publisher's, whose provenance and store root may differ (same bytes): the one returned carries
+        `provenance` and its path in this store."""
+        kind = manifest_type.model_fields["kind"].default
+        pointer = self._pointer(kind, provenance.key)
+        if not pointer.exists() or not (path := self.artifact_dir(digest := pointer.read_text())).joinpath(MANIFEST).exists():
+            return None
+        try:
+            found = self.load(manifest_type, digest)
+        except ArtifactError as exc:  # the step runs again, and its publish replaces the damaged copy
+            logger.warning("%s; computing it again", exc)
+            return None
+        damage = f"{MANIFEST} names kind '{found.kind}', not '{kind}'" if found.kind != kind else None
+        if damage is None and check_files:
+            damage = artifact_damage(path)
+        if damage is not None:
+            logger.warning("%s: %s; computing it again", path, damage)
+            return None
+        logger.info("%s: the store already holds it for these inputs; reusing %s", kind, digest[:12])
+        return found.model_copy(update={**provenance.model_dump(), "path": path})
 
     def work_path(self, step: str, key: str) -> Path:
         """Where `work_dir(step, key)` is, without holding it: for what runs of a step that do not

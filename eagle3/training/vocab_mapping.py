@@ -57,7 +57,7 @@ def build_vocab_mapping(
             f"vocab.draft_vocab_size = {cfg.draft_vocab_size} exceeds the verifier's vocabulary "
             f"({verifier_vocab_size}); set it at most {verifier_vocab_size}."
         )
-    if (published := store.published(VocabManifest, provenance)) is not None:
+    if (published := store.published(VocabManifest, provenance, check_files=True)) is not None:
         return published
     freq_table = pq.read_table(Path(dataset.path) / "token_freq.parquet").to_pydict()
     freq = dict(zip(freq_table["token_id"], freq_table["count"]))

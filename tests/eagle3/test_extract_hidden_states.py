@@ -228,6 +228,19 @@ def test_a_run_whose_shards_are_all_extracted_claims_no_gpu(prepared):
     assert second.extracted_shards == 0 and claims == claimed_by_first
 
 
+def test_a_published_shard_list_with_a_shard_gone_is_not_handed_back_the_shard_is_extracted_again(prepared, tmp_path):
+    _, verifier, dataset = prepared
+    store, provenance = ArtifactStore(tmp_path / "store"), Provenance(config={"run": "a shard goes"})
+    cfg = ExtractConfig(aux_layer_ids=AUX, records_per_shard=16)
+    first = extract_hidden_states(cfg, dataset, verifier, store, provenance)
+    shutil.rmtree(store.root / "shards" / first.shards[1]["key"])  # removed by hand, or a disk lost
+
+    again = extract_hidden_states(cfg, dataset, verifier, store, provenance)
+
+    assert again.digest == first.digest and again.extracted_shards == 1
+    assert extract_hidden_states(cfg, dataset, verifier, store, provenance) == first  # whole again: the stored manifest handed back
+
+
 def test_verify_shard_names_file_and_field_on_mismatch(prepared, tmp_path):
     store, verifier, dataset = prepared
     manifest = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX), dataset, verifier, store, Provenance())

@@ -16,7 +16,7 @@ from tiny_models import CHATML, GENERATION, LLAMA3, tiny_tokenizer
 
 from eagle3.config import DatasetConfig
 from eagle3.data.prepare_dataset import DatasetManifest, build_loss_mask, prepare_dataset, read_conversations
-from eagle3.store.artifacts import ArtifactError, ArtifactStore
+from eagle3.store.artifacts import ArtifactError, ArtifactStore, artifact_damage
 from eagle3.store.manifests import Provenance
 
 CONVERSATION = [
@@ -262,3 +262,36 @@ def test_a_step_the_store_already_published_returns_it_without_reading_its_input
     with store.step_work_dir(DatasetManifest, provenance) as (work, published):
         assert published == first and work.is_dir()
     assert not work.exists()  # nothing was written in it: an empty work dir goes on release
+
+
+def test_a_moved_store_hands_back_its_artifact_at_its_new_path(tmp_path, chatml, conversations):
+    provenance = Provenance(config={"run": "same"})
+    first = prepare_dataset(DatasetConfig(), conversations, chatml, ArtifactStore(tmp_path / "here"), provenance)
+    (tmp_path / "here").rename(tmp_path / "there")  # another mount point, or a copy on another host
+
+    again = prepare_dataset(DatasetConfig(), conversations, chatml, ArtifactStore(tmp_path / "there"), provenance)
+
+    assert again.path == tmp_path / "there" / "artifacts" / first.digest and (again.path / "token_freq.parquet").is_file()
+    assert again.model_copy(update={"path": first.path}) == first
+
+
+def test_an_artifact_whose_files_changed_is_computed_again_and_so_repaired(tmp_path, chatml, conversations, caplog):
+    store, provenance = ArtifactStore(tmp_path / "store"), Provenance(config={"run": "same"})
+    first = prepare_dataset(DatasetConfig(), conversations, chatml, store, provenance)
+    (first.path / "token_freq.parquet").write_bytes(b"not what was published")
+
+    again = prepare_dataset(DatasetConfig(), conversations, chatml, store, provenance)
+
+    assert again.digest == first.digest and artifact_damage(first.path) is None
+    assert "its files hash to" in caplog.text and "computing it again" in caplog.text
+
+
+def test_what_a_run_killed_after_publishing_left_in_the_work_dir_goes_when_the_artifact_is_handed_back(tmp_path, chatml, conversations):
+    store, provenance = ArtifactStore(tmp_path / "store"), Provenance(config={"run": "same"})
+    first = prepare_dataset(DatasetConfig(), conversations, chatml, store, provenance)
+    left = store.work_path("dataset", provenance.key)
+    left.mkdir()
+    (left / "token_freq.parquet").write_bytes(b"half written")
+
+    assert prepare_dataset(DatasetConfig(), conversations, chatml, store, provenance) == first
+    assert not left.exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 from uuid import UUID
 
 import pytest
-from conftest import SAMPLE
+from conftest import SAMPLE, LogSeen
 
 from eagle3.config import PipelineConfig
 
@@ -257,13 +258,24 @@ def test_a_prefect_setup_without_the_cached_results_reuses_the_stores_artifacts_
     from eagle3.runtime.faults import FAULT_OOM_ENV
 
     config, first = shared_first_run
-    monkeypatch.setenv(FAULT_OOM_ENV, "1")  # a step that extracted, trained or decoded anything would fail
+    monkeypatch.setenv(FAULT_OOM_ENV, "1")  # a step that extracted or trained anything would fail
+    reused = LogSeen("the store already holds it for these inputs")
+    store_log = logging.getLogger("eagle3.store.artifacts")
+    store_log.addHandler(reused)
+    level = store_log.level
+    store_log.setLevel(logging.INFO)
 
-    with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: str(tmp_path / "fresh-results")}):
-        second, states = _run(config)
-        third, states_again = _run(config)
+    try:
+        with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: str(tmp_path / "fresh-results")}):
+            second, states = _run(config)
+            third, states_again = _run(config)
+    finally:
+        store_log.removeHandler(reused)
+        store_log.setLevel(level)
 
     assert states == dict.fromkeys(STEPS, "Completed")  # no cached result: each task ran, and found its artifact
+    kinds = {"baseline", "dataset", "hidden_states", "vocab_mapping", "draft", "checkpoint", "evaluation"}
+    assert {message.split(":")[0] for message in reused.messages} == kinds  # each step handed back the store's
     assert second.lineage.changes == (
         f"Nothing changed: this run produced no artifact; all 7 artifacts it used come from earlier runs ({first.lineage.run_id})."
     )

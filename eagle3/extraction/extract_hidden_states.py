@@ -52,7 +52,7 @@ from eagle3.runtime.attempts import NO_GPU, BatchBackoff, GpuClaim, OutOfMemory,
 from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, inference_mode, resolve_device
 from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
-from eagle3.store.artifacts import SERVED_STATES, ArtifactError, ArtifactStore, step_provenance
+from eagle3.store.artifacts import SERVED_STATES, ArtifactError, ArtifactStore, log_reuse, step_provenance
 from eagle3.store.files import atomic_write_text, fsync
 from eagle3.store.manifests import Provenance
 from eagle3.verifier.capture import HiddenStateCapture
@@ -419,13 +419,22 @@ def _publish(
 
 def _published_whole(store: ArtifactStore, provenance: Provenance, shard_root: Path) -> HiddenStatesManifest | None:
     """The shard list the store published for `provenance`, if every shard it lists is still there
-    (as `ArtifactStore.step_work_dir` hands the other steps theirs); else None: the step runs, and
-    extracts what went."""
+    with the files it listed (as `ArtifactStore.step_work_dir` hands the other steps theirs); else
+    None: the step runs, and extracts what went."""
     published = store.published(HiddenStatesManifest, provenance, check_files=True)
-    if published is None or all((shard_root / shard["key"] / "done.json").exists() for shard in published.shards):
-        return published
-    logger.warning("hidden_states: shards of the published list %s are gone; extracting them again", published.digest[:12])
-    return None
+    if published is None:
+        return None
+    for entry in json.loads((published.path / "shards.json").read_text()):
+        done = shard_root / entry["key"] / "done.json"
+        if not done.exists() or json.loads(done.read_text())["sha256"] != entry["sha256"]:
+            logger.warning(
+                "hidden_states: shard %s of the published list %s is gone or extracted again; extracting",
+                entry["key"][:12],
+                published.digest[:12],
+            )
+            return None
+    log_reuse(published)
+    return published
 
 
 def extract_hidden_states(

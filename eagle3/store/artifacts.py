@@ -50,6 +50,7 @@ __all__ = [
     "ArtifactStore",
     "artifact_damage",
     "digest_tree",
+    "log_reuse",
     "read_manifest_record",
     "step_provenance",
 ]
@@ -115,14 +116,24 @@ def read_manifest_record(manifest: Path) -> dict:
     return record
 
 
-def artifact_damage(path: Path) -> str | None:
-    """What is wrong with the stored artifact `path` (None: its manifest reads and its files hash to
-    the digest it is stored under)."""
+def artifact_damage(path: Path, manifest_type: type[ArtifactManifest] | None = None, files: bool = True) -> str | None:
+    """What is wrong with the stored artifact `path` (None: its manifest reads, as a `manifest_type`
+    of that type's kind where given, and with `files` its files hash to the digest it is stored under)."""
     record = _record_or_problem(path / MANIFEST)
     if isinstance(record, str):
         return f"{MANIFEST} is {record}"
     if record.get("digest") != path.name:
         return f"{MANIFEST} does not name this artifact's digest"
+    if manifest_type is not None:
+        kind = manifest_type.model_fields["kind"].default  # a step's manifest type names its kind; ArtifactManifest none
+        if isinstance(kind, str) and record.get("kind") != kind:
+            return f"{MANIFEST} names kind {record.get('kind')!r}, not {kind!r}"
+        try:
+            manifest_type.model_validate(record)
+        except ValueError as exc:
+            return f"{MANIFEST} is not a {manifest_type.__name__} ({str(exc).splitlines()[0]})"
+    if not files:
+        return None
     found = digest_tree(path)
     if found != path.name:
         return f"its files hash to {found[:12]}, not the digest it is stored under: a file changed, appeared or went since it was published"
@@ -149,15 +160,17 @@ class ArtifactStore:
     def step_work_dir(self, manifest_type: type[M], provenance: Provenance) -> Iterator[tuple[Path, M | None]]:
         """`work_dir` for a step keyed by its provenance, and the artifact the store has published for
         the same provenance (by another run while this one waited, or by any earlier run): the step
-        returns that instead of running again (None: none published, or it is gone)."""
+        returns that instead of running again (None: none published, or it is gone or damaged, see
+        `published`)."""
         kind = manifest_type.model_fields["kind"].default
         with self._held_work_dir(kind, provenance.key) as (path, waited):
             done = self.published(manifest_type, provenance, check_files=True)
             if done is not None:
                 if waited:
                     logger.warning("%s: another run published it for the same inputs while this one waited", kind)
-                if any(path.iterdir()):  # a run killed between publishing and clearing up: nothing here is needed
-                    shutil.rmtree(path)
+                log_reuse(done)
+                # a run killed between publishing and clearing up left what is no longer needed; best effort (NFS busy files)
+                shutil.rmtree(path, ignore_errors=True)
             yield path, done
 
     def published(self, manifest_type: type[M], provenance: Provenance, check_files: bool = False) -> M | None:
@@ -166,22 +179,13 @@ class ArtifactStore:
         longer hash to its digest, which costs a read of them). Its stored manifest is its first
         publisher's, whose provenance and store root may differ (same bytes): the one returned carries
         `provenance` and its path in this store."""
-        kind = manifest_type.model_fields["kind"].default
-        pointer = self._pointer(kind, provenance.key)
-        if not pointer.exists() or not (path := self.artifact_dir(digest := pointer.read_text())).joinpath(MANIFEST).exists():
+        pointer = self._pointer(manifest_type.model_fields["kind"].default, provenance.key)
+        if not pointer.exists() or not (path := self.artifact_dir(pointer.read_text())).joinpath(MANIFEST).exists():
             return None
-        try:
-            found = self.load(manifest_type, digest)
-        except ArtifactError as exc:  # the step runs again, and its publish replaces the damaged copy
-            logger.warning("%s; computing it again", exc)
+        if (damage := artifact_damage(path, manifest_type, files=check_files)) is not None:
+            logger.warning("%s: %s; computing it again", path, damage)  # publishing what is computed replaces the copy
             return None
-        damage = f"{MANIFEST} names kind '{found.kind}', not '{kind}'" if found.kind != kind else None
-        if damage is None and check_files:
-            damage = artifact_damage(path)
-        if damage is not None:
-            logger.warning("%s: %s; computing it again", path, damage)
-            return None
-        logger.info("%s: the store already holds it for these inputs; reusing %s", kind, digest[:12])
+        found = manifest_type.model_validate(read_manifest_record(path / MANIFEST))
         return found.model_copy(update={**provenance.model_dump(), "path": path})
 
     def work_path(self, step: str, key: str) -> Path:
@@ -258,7 +262,7 @@ class ArtifactStore:
         manifest = manifest.model_copy(update={"digest": digest, "path": final, "num_bytes": num_bytes, "producer": self.producer})
         atomic_write_text(work / MANIFEST, manifest.model_dump_json(indent=2))
         fsync(work)
-        if final.exists() and (damage := artifact_damage(final)) is not None:
+        if final.exists() and (damage := artifact_damage(final, type(manifest))) is not None:
             logger.warning("%s: %s; replacing it with the copy just computed", final, damage)
             damaged = final.with_name(f".{digest}.damaged-{os.getpid()}")  # not a digest: gc removes it if this run dies here
             os.replace(final, damaged)
@@ -289,6 +293,11 @@ class ArtifactStore:
             return manifest_type.model_validate(read_manifest_record(path))
         except ValueError as exc:
             raise _damaged(path, f"not a {manifest_type.__name__} ({str(exc).splitlines()[0]})") from exc
+
+
+def log_reuse(manifest: ArtifactManifest) -> None:
+    """Say that a step hands back what the store holds for its inputs instead of running."""
+    logger.info("%s: the store already holds it for these inputs; reusing %s", manifest.kind, manifest.digest[:12])
 
 
 def step_provenance(step: str, store: ArtifactStore, **inputs: Any) -> Provenance:

@@ -105,7 +105,7 @@ def previous_draft(
             record = read_manifest_record(path)
             if record.get("kind") != "draft" or record.get("finished_at") is None:
                 continue  # another kind, or a draft from before drafts recorded when they finished
-            draft = DraftManifest.model_validate(record)
+            draft = DraftManifest.model_validate(record).model_copy(update={"path": path.parent})  # where it is in this store
         except (ArtifactError, ValueError) as exc:  # a damaged artifact is no draft to continue from
             logger.warning("%s", str(exc).splitlines()[0])
             continue

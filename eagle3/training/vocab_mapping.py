@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from eagle3.config import ConfigError, VocabConfig
 from eagle3.data.prepare_dataset import DatasetManifest
 from eagle3.runtime.stopwatch import Stopwatch
-from eagle3.store.artifacts import ArtifactStore
+from eagle3.store.artifacts import ArtifactStore, log_reuse
 from eagle3.store.manifests import ArtifactManifest, Provenance
 
 if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, these only where a step runs
@@ -58,6 +58,7 @@ def build_vocab_mapping(
             f"({verifier_vocab_size}); set it at most {verifier_vocab_size}."
         )
     if (published := store.published(VocabManifest, provenance, check_files=True)) is not None:
+        log_reuse(published)
         return published
     freq_table = pq.read_table(Path(dataset.path) / "token_freq.parquet").to_pydict()
     freq = dict(zip(freq_table["token_id"], freq_table["count"]))

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import threading
@@ -239,6 +240,19 @@ def test_a_published_shard_list_with_a_shard_gone_is_not_handed_back_the_shard_i
 
     assert again.digest == first.digest and again.extracted_shards == 1
     assert extract_hidden_states(cfg, dataset, verifier, store, provenance) == first  # whole again: the stored manifest handed back
+
+
+def test_a_published_shard_list_whose_shard_was_extracted_again_is_listed_again(prepared, tmp_path):
+    _, verifier, dataset = prepared
+    store, provenance = ArtifactStore(tmp_path / "store"), Provenance(config={"run": "a shard changes"})
+    cfg = ExtractConfig(aux_layer_ids=AUX, records_per_shard=16)
+    first = extract_hidden_states(cfg, dataset, verifier, store, provenance)
+    done = store.root / "shards" / first.shards[1]["key"] / "done.json"
+    done.write_text(json.dumps({"sha256": {name: "0" * 64 for name in json.loads(done.read_text())["sha256"]}}))  # other bytes
+
+    again = extract_hidden_states(cfg, dataset, verifier, store, provenance)
+
+    assert again.extracted_shards == 0 and again.digest != first.digest  # the list now names the shard's files as they are
 
 
 def test_verify_shard_names_file_and_field_on_mismatch(prepared, tmp_path):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import subprocess
@@ -260,8 +261,8 @@ def test_a_step_the_store_already_published_returns_it_without_reading_its_input
 
     assert again == first  # the stored manifest: the first run's time and producer
     with store.step_work_dir(DatasetManifest, provenance) as (work, published):
-        assert published == first and work.is_dir()
-    assert not work.exists()  # nothing was written in it: an empty work dir goes on release
+        assert published == first
+    assert not work.exists()  # nothing is left behind
 
 
 def test_a_moved_store_hands_back_its_artifact_at_its_new_path(tmp_path, chatml, conversations):
@@ -284,6 +285,19 @@ def test_an_artifact_whose_files_changed_is_computed_again_and_so_repaired(tmp_p
 
     assert again.digest == first.digest and artifact_damage(first.path) is None
     assert "its files hash to" in caplog.text and "computing it again" in caplog.text
+
+
+def test_an_artifact_whose_manifest_names_another_kind_is_computed_again_and_its_manifest_repaired(tmp_path, chatml, conversations):
+    store, provenance = ArtifactStore(tmp_path / "store"), Provenance(config={"run": "same"})
+    first = prepare_dataset(DatasetConfig(), conversations, chatml, store, provenance)
+    record = json.loads((first.path / "manifest.json").read_text())
+    (first.path / "manifest.json").write_text(json.dumps(record | {"kind": "regenerated"}))
+
+    again = prepare_dataset(DatasetConfig(), conversations, chatml, store, provenance)
+    conversations.unlink()  # a third run that did the step again would fail reading it
+
+    assert again.digest == first.digest and json.loads((first.path / "manifest.json").read_text())["kind"] == "dataset"
+    assert prepare_dataset(DatasetConfig(), conversations, chatml, store, provenance).digest == first.digest
 
 
 def test_what_a_run_killed_after_publishing_left_in_the_work_dir_goes_when_the_artifact_is_handed_back(tmp_path, chatml, conversations):

@@ -2,10 +2,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import speculators.train.checkpointer as checkpointer_module
@@ -282,6 +284,16 @@ def test_previous_draft_is_the_latest_for_this_verifier_and_shape_trained_on_oth
     assert previous_draft(store, TRAIN, verifier, hidden, dataset) is None  # none was trained on other data
     assert previous_draft(store, TRAIN.model_copy(update={"num_layers": 2}), verifier, hidden, grown) is None
     assert previous_draft(store, TRAIN, verifier, hidden.model_copy(update={"aux_layer_ids": [0, 1, 2]}), grown) is None
+
+
+def test_previous_draft_in_a_copied_store_is_the_copy_there(inputs, draft, tmp_path):
+    _, verifier, dataset, hidden, _ = inputs
+    copy = ArtifactStore(tmp_path / "copy")  # another host's copy, or another mount point
+    shutil.copytree(Path(draft.path).parent, copy.root / "artifacts", dirs_exist_ok=True)
+
+    found = previous_draft(copy, TRAIN, verifier, hidden, dataset.model_copy(update={"digest": "0" * 64}))
+
+    assert found is not None and found.path.parent == copy.root / "artifacts" and (found.path / found.checkpoint).is_dir()
 
 
 def test_previous_draft_prefers_the_latest_draft_behind_a_promoted_checkpoint(inputs, tmp_path):

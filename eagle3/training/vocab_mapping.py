@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from eagle3.config import ConfigError, VocabConfig
 from eagle3.data.prepare_dataset import DatasetManifest
 from eagle3.runtime.stopwatch import Stopwatch
-from eagle3.store.artifacts import ArtifactStore, log_reuse
+from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.manifests import ArtifactManifest, Provenance
 
 if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, these only where a step runs
@@ -51,29 +51,28 @@ def build_vocab_mapping(
     from safetensors.torch import save_file
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-    clock = Stopwatch()
     if cfg.draft_vocab_size > verifier_vocab_size:
         raise ConfigError(
             f"vocab.draft_vocab_size = {cfg.draft_vocab_size} exceeds the verifier's vocabulary "
             f"({verifier_vocab_size}); set it at most {verifier_vocab_size}."
         )
-    if (published := store.published(VocabManifest, provenance, check_files=True)) is not None:
-        log_reuse(published)
-        return published
-    freq_table = pq.read_table(Path(dataset.path) / "token_freq.parquet").to_pydict()
-    freq = dict(zip(freq_table["token_id"], freq_table["count"]))
-    d2t, t2d = build_vocab_mappings_from_distribution(freq, cfg.draft_vocab_size, verifier_vocab_size)
-    covered = sum(c for t, c in freq.items() if t2d[t])
-    padded = max(0, cfg.draft_vocab_size - len(freq))
-    if padded:
-        logger.warning(
-            "vocab.draft_vocab_size = %d but only %d distinct tokens are supervised: %d draft ids are "
-            "padding the draft will never learn. Use more data or a smaller draft_vocab_size.",
-            cfg.draft_vocab_size,
-            len(freq),
-            padded,
-        )
-    with store.work_dir("vocab_mapping", provenance.key) as work:
+    with store.step_work_dir(VocabManifest, provenance) as (work, published):
+        if published is not None:
+            return published
+        clock = Stopwatch()  # not counting a wait for another run of this step
+        freq_table = pq.read_table(Path(dataset.path) / "token_freq.parquet").to_pydict()
+        freq = dict(zip(freq_table["token_id"], freq_table["count"]))
+        d2t, t2d = build_vocab_mappings_from_distribution(freq, cfg.draft_vocab_size, verifier_vocab_size)
+        covered = sum(c for t, c in freq.items() if t2d[t])
+        padded = max(0, cfg.draft_vocab_size - len(freq))
+        if padded:
+            logger.warning(
+                "vocab.draft_vocab_size = %d but only %d distinct tokens are supervised: %d draft ids are "
+                "padding the draft will never learn. Use more data or a smaller draft_vocab_size.",
+                cfg.draft_vocab_size,
+                len(freq),
+                padded,
+            )
         save_file({"d2t": d2t, "t2d": t2d}, work / FILE)
         return store.publish(
             work,

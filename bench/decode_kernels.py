@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.evaluation.baseline import device_name
-from eagle3.verifier.forward import capture_graph
+from eagle3.verifier.forward import capture_graph, grouped_attention
 
 ROWS = (1, 2, 4)
 PRODUCTS = {"q/o 576x576": (576, 576), "k/v 576x192": (576, 192), "gate/up 576x1536": (576, 1536), "down 1536x576": (1536, 576)}
@@ -69,6 +69,36 @@ def attention_rows(device: str, keys: int, repeats: int) -> dict:
 
             times.append(microseconds(replayed(run, cuda), repeats, cuda))
         rows[f"attention, {name}"] = times
+    rows |= attention_in_a_pass(device, keys, repeats)
+    return rows
+
+
+def attention_in_a_pass(device: str, keys: int, repeats: int) -> dict:
+    """Attention as a decode pass runs it on the 3 KV heads of the buffers: transformers' sdpa path
+    (KV heads repeated, then the math backend) against `grouped_attention` (no repeat)."""
+    cuda = device == "cuda"
+    k, v = (torch.randn(1, 3, keys, 64, device=device) for _ in range(2))
+    scaling = 64**-0.5
+    variants = {
+        "math, KV repeated in the pass": lambda query, mask: F.scaled_dot_product_attention(
+            query, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), attn_mask=mask, scale=scaling
+        ),
+        "grouped (forward.grouped_attention)": lambda query, mask: grouped_attention(None, query, k, v, mask, scaling)[0],
+    }
+    rows = {}
+    for name, attend in variants.items():
+        times = []
+        for q in ROWS:
+            query = torch.randn(1, 9, q, 64, device=device)
+            mask = torch.zeros(1, 1, q, keys, device=device)
+            mask[..., keys // 2 :] = torch.finfo(torch.float32).min
+
+            def run(query=query, mask=mask, attend=attend):
+                with sdpa_kernel([SDPBackend.MATH]):
+                    return attend(query, mask)
+
+            times.append(microseconds(replayed(run, cuda), repeats, cuda))
+        rows[f"attention, {name}"] = times
     return rows
 
 
@@ -99,9 +129,9 @@ def main() -> None:
     if cuda:
         rows |= product_rows(args.repeats)
     print(f"{device_name(torch.device(device))}; float32; {args.keys} KV positions; microseconds per replay")
-    print(f"{'':<34}" + "".join(f"{f'{m} rows':>10}" for m in ROWS))
+    print(f"{'':<44}" + "".join(f"{f'{m} rows':>10}" for m in ROWS))
     for name, times in rows.items():
-        print(f"{name:<34}" + "".join(f"{t:>10.1f}" for t in times))
+        print(f"{name:<44}" + "".join(f"{t:>10.1f}" for t in times))
     summary = {"device": device_name(torch.device(device)), "torch": torch.__version__, "keys": args.keys, "rows": list(ROWS), "us": rows}
     print(json.dumps(summary))
     if args.json:

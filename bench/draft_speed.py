@@ -22,10 +22,12 @@ package's sample eval prompts): the same split of a pass's time for a draft whos
 accepted, with rounds after 1 to k + 1 confirmed tokens, as the evaluation step decodes.
 
 A random draft is untrained, so nearly every drafted token is rejected: the row's own tokens/s is not a
-trained draft's. What it measures is the cost of a round (the draft's k steps, timed from the call
-to the proposer to the k tokens on the host), of the verifier's (k + 1)-token pass (both leave
-each prompt's first pass out) and the wall time per verifier pass of the whole decode (the host's
-bookkeeping and the prompts' passes included); `--tau T` adds what that wall time gives a draft
+trained draft's. What it measures is the cost of a round (the draft's k steps, from the call to
+the proposer to its k tokens done on the device) and of the verifier's (k + 1)-token pass (both
+leave each prompt's first pass out; timed in a second decode of each prompt that waits for the
+device around each call), and the wall time per verifier pass of the whole decode as evaluation
+runs it (the host's bookkeeping and the prompts' passes included; where rounds and passes are
+queued back to back, less than round + pass); `--tau T` adds what that wall time gives a draft
 whose measured tau is T, T tokens a pass, against plain greedy's measured tokens/s: a projection
 from measured costs, not a measured speed.
 """
@@ -108,16 +110,19 @@ def random_draft(verifier: Path, aux: list[int], layers: int, draft_vocab: int, 
 
 class Timed:
     """`inner` (a verifier forward or a proposer) with the wall seconds of each call of its `method`
-    recorded beside the call's first argument's length: each returns host lists, so its device work
-    is done when it returns."""
+    recorded beside the call's first argument's length, the device's work included: the device is
+    synchronized before and after each call (decoding itself reads it once a pass, so these
+    decodes are timed for the split alone)."""
 
     def __init__(self, inner, method: str):
         self.inner, self.method = inner, method
         self.calls: list[tuple[int, float]] = []
 
     def _timed(self, first, *args):
+        synchronize()
         start = time.perf_counter()
         out = getattr(self.inner, self.method)(first, *args)
+        synchronize()
         self.calls.append((len(first), time.perf_counter() - start))
         return out
 
@@ -137,15 +142,25 @@ class Timed:
         return 1e3 * sum(times) / len(times)
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def decode(forward, proposer, prompts: list[list[int]], max_new_tokens: int, k: int, eos_ids: set[int]) -> dict:
-    """Speculative decodes of `prompts` (greedy where `proposer` is None): outputs, tokens/s, tau, ms
-    per round and per verifier pass after the prompt's."""
+    """Speculative decodes of `prompts` (greedy where `proposer` is None): outputs, tokens/s, tau,
+    wall per verifier pass; then the same decodes again with each call timed: ms per round and per
+    verifier pass after the prompt's."""
     timed_forward = Timed(forward, "__call__")
     if proposer is None:
-        runs = [greedy_decode(timed_forward, p, max_new_tokens, eos_ids) for p in prompts]
+        runs = [greedy_decode(forward, p, max_new_tokens, eos_ids) for p in prompts]
+        for p in prompts:
+            greedy_decode(timed_forward, p, max_new_tokens, eos_ids)
     else:
         timed_proposer = Timed(proposer, "propose")
-        runs = [speculative_decode(timed_forward, timed_proposer, p, max_new_tokens, k, eos_ids) for p in prompts]
+        runs = [speculative_decode(forward, proposer, p, max_new_tokens, k, eos_ids) for p in prompts]
+        for p in prompts:
+            speculative_decode(timed_forward, timed_proposer, p, max_new_tokens, k, eos_ids)
     tokens = sum(len(r.tokens) for r in runs)
     row = {
         "outputs": [r.tokens for r in runs],

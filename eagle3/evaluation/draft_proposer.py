@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from eagle3.verifier.capture import HiddenStateCapture
-from eagle3.verifier.forward import FixedCache, StaticForward, aux_states, capture_graph, decode_attention, decode_matmuls, drop_last
+from eagle3.verifier.forward import FixedCache, Graphs, StaticForward, aux_states, decode_attention, decode_matmuls, drop_last
 
 __all__ = ["Eagle3Proposer", "StaticEagle3Proposer", "draft_token_accuracy", "proposer_for"]
 
@@ -125,7 +125,8 @@ class Eagle3Proposer:
         return tokens
 
     @torch.inference_mode()
-    def propose(self, context: list[int], k: int) -> list[int]:
+    def propose(self, context: list[int], k: int) -> torch.Tensor:
+        """The k drafted tokens after `context` (verifier ids [k], on the draft's device, unread)."""
         if self.aux:  # step 0 over the newly confirmed positions
             aux, self.aux = torch.cat(self.aux), []
             start = self.positions
@@ -140,7 +141,7 @@ class Eagle3Proposer:
             return self._head(self._layers(hidden, None, torch.tensor([[n + 1 + step]], device=device), self.cache))
 
         last_hidden, last_logits = self._head(self.last)
-        proposal = torch.cat(self._chain(last_hidden, last_logits, k, advance)).tolist()
+        proposal = torch.cat(self._chain(last_hidden, last_logits, k, advance))
         drop_last(self.cache, self.cache.get_seq_length() - n)  # the chained steps' entries
         return proposal
 
@@ -160,7 +161,8 @@ class StaticEagle3Proposer(Eagle3Proposer):
     sequence's first, whose step 0 runs over the whole prompt, replays a CUDA graph of the whole
     round for its shape (tokens confirmed since the last round, k): step 0, the k - 1 chained
     steps, their argmaxes and vocabulary mapping on the device, and the chained entries zeroed
-    again; the host reads the k tokens once.
+    again. The k tokens stay on the device, where the verifier's pass reads them: the host waits for
+    neither, and reads them with the verifier's verdict (`eagle3.evaluation.speculative`).
 
     A graph replays its kernels without Python, but each kernel still costs a few microseconds of
     GPU time, and an eager draft layer launches dozens of small ones (norms, rotary embedding,
@@ -176,9 +178,8 @@ class StaticEagle3Proposer(Eagle3Proposer):
         self.graphs = device.type == "cuda" if graphs is None else graphs
         self.static_cache = FixedCache(max_len)
         self.columns = torch.arange(max_len, device=device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.compiled = self.graphs if compiled is None else compiled
+        self._rounds = Graphs(warm=self.compiled) if self.graphs else None  # by (tokens confirmed, k)
         self._compiled_step = torch.compile(self._step) if self.compiled else None
         super().__init__(draft)
         if self.compiled:
@@ -229,14 +230,17 @@ class StaticEagle3Proposer(Eagle3Proposer):
         return drafted
 
     @torch.inference_mode()
-    def propose(self, context: list[int], k: int) -> list[int]:
-        """Raises:
-        ValueError: no new aux states since the last round (each verifier pass brings some), or the
+    def propose(self, context: list[int], k: int) -> torch.Tensor:
+        """The k drafted tokens after `context` (verifier ids [k], on the device, unread; on CUDA the
+        round's graph's own output: read or copy it before the next round).
+
+        Raises:
+            ValueError: no new aux states since the last round (each verifier pass brings some), or the
             round would outgrow the `max_len` positions."""
         with decode_matmuls(self.columns.device):
             return self._propose(context, k)
 
-    def _propose(self, context: list[int], k: int) -> list[int]:
+    def _propose(self, context: list[int], k: int) -> torch.Tensor:
         if not self.aux:
             raise ValueError("propose needs the aux states of the tokens confirmed since the last round")
         aux, self.aux = torch.cat(self.aux), []
@@ -247,27 +251,16 @@ class StaticEagle3Proposer(Eagle3Proposer):
             raise ValueError(f"a draft round at {self.positions} + {k - 1} positions outgrows the KV buffers of {len(self.columns)}")
         device, dtype = self.columns.device, self.draft.fc.weight.dtype
         tokens, positions = torch.tensor(context[start + 1 :], device=device), self.columns[start : start + m]
-        if not start:  # a sequence's first round (the prompt) has a length of its own: eager
-            return self._round(tokens, aux.to(device, dtype), positions, k).tolist()
-        if not self.graphs:
-            return self._round(tokens, aux.to(device, dtype), positions, k, self._compiled_step).tolist()
-        graph = self._graphs.get((m, k))
-        if graph is None:
-            inputs = {"tokens": tokens, "aux": aux.to(device, dtype), "positions": positions.clone()}
-
-            def run():
-                return self._round(inputs["tokens"], inputs["aux"], inputs["positions"], k, self._compiled_step)
-
-            if self.compiled:  # a shape new to torch.compile compiles here (tuning synchronizes): not in the capture's warm-up
-                run()
-            captured, drafted = capture_graph(run, self._pool)
-            graph = self._graphs[(m, k)] = (captured, inputs, drafted)
-        else:
-            graph[1]["tokens"].copy_(tokens)
-            graph[1]["aux"].copy_(aux)
-            graph[1]["positions"].copy_(positions)
-        graph[0].replay()
-        return graph[2].tolist()
+        aux = aux.to(device, dtype)
+        if self._rounds is None or not start:  # a sequence's first round (the prompt) has a length of its own: no graph
+            return self._round(tokens, aux, positions, k, self._compiled_step)
+        return self._rounds(
+            (m, k),
+            lambda tokens, aux, positions: self._round(tokens, aux, positions, k, self._compiled_step),
+            tokens=tokens,
+            aux=aux,
+            positions=positions,
+        )
 
 
 def proposer_for(draft, forward, max_len: int) -> Eagle3Proposer:

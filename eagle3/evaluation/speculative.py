@@ -59,22 +59,33 @@ class NgramProposer:
 def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int, k: int, eos_ids: set[int]) -> DecodeStats:
     """Generate greedily with drafts from `proposer`; stops at an EOS token or `max_new_tokens`.
     `forward`: the verifier's (`eagle3.verifier.forward`), whose aux hidden states an EAGLE-3 proposer
-    reads (none for n-gram)."""
+    reads (none for n-gram).
+
+    The host reads the device once a pass, drafts and verdict together: a proposer that drafts on
+    the device hands its drafts over unread, the verifier's pass is queued behind its round, and the
+    token the verifier adds is fed to the next pass from the device."""
+    import torch
+
     start = time.perf_counter()
     forward.reset()
     proposer.reset()
     argmax, aux = forward(prompt)
     proposer.observe(aux)
-    context = [*prompt, argmax[-1]]
-    stats = DecodeStats(tokens=[argmax[-1]])
+    last = argmax[-1:]  # the last confirmed token, on the device: the next pass's first input
+    context = [*prompt, int(last)]
+    stats = DecodeStats(tokens=[context[-1]])
     while len(stats.tokens) < max_new_tokens and stats.tokens[-1] not in eos_ids:
-        drafts = proposer.propose(context, min(k, max_new_tokens - len(stats.tokens)))
-        argmax, aux = forward([context[-1], *drafts])
+        proposal = proposer.propose(context, min(k, max_new_tokens - len(stats.tokens)))  # host ids, or unread device ones
+        drafts = torch.as_tensor(proposal, dtype=torch.long, device=last.device)
+        argmax, aux = forward(torch.cat([last, drafts]))
+        read = torch.cat([drafts, argmax]).tolist()
+        drafted, verified = read[: len(drafts)], read[len(drafts) :]
         accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == argmax[accepted]:
+        while accepted < len(drafted) and drafted[accepted] == verified[accepted]:
             accepted += 1
-        new = [*drafts[:accepted], argmax[accepted]]
-        forward.rollback(len(drafts) - accepted)
+        new = [*drafted[:accepted], verified[accepted]]
+        last = argmax[accepted : accepted + 1]
+        forward.rollback(len(drafted) - accepted)
         proposer.observe(None if aux is None else aux[: accepted + 1])
         stats.verifier_passes += 1
         stats.accepted_per_pass.append(accepted)
@@ -89,10 +100,13 @@ def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int
 
 @inference_mode
 def greedy_decode(forward, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> DecodeStats:
-    """Plain greedy decoding, one verifier pass per token: the reference output and speed."""
+    """Plain greedy decoding, one verifier pass per token: the reference output and speed. Each
+    token is fed to the next pass from the device; the host reads it for the stop test."""
     start = time.perf_counter()
     forward.reset()
-    tokens = [forward(prompt)[0][-1]]
+    last = forward(prompt)[0][-1:]
+    tokens = [int(last)]
     while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
-        tokens.append(forward([tokens[-1]])[0][0])
+        last = forward(last)[0]
+        tokens.append(int(last))
     return DecodeStats(tokens=tokens, verifier_passes=len(tokens), seconds=time.perf_counter() - start)

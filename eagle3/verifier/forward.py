@@ -18,18 +18,21 @@ decode with `DynamicForward`, on transformers' own cache and masks.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import Cache, DynamicCache
+from transformers import AttentionInterface, Cache, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from eagle3.verifier.capture import HiddenStateCapture
+from eagle3.verifier.loading import text_config
 
 __all__ = [
+    "GROUPED_ATTENTION",
     "DynamicForward",
     "FixedCache",
+    "Graphs",
     "StaticForward",
     "aux_states",
     "capture_graph",
@@ -37,6 +40,7 @@ __all__ = [
     "decode_matmuls",
     "drop_last",
     "full_attention_only",
+    "grouped_attention",
 ]
 
 
@@ -74,12 +78,47 @@ def decode_matmuls(device: torch.device):
         torch.backends.cuda.preferred_blas_library(before)
 
 
-def decode_attention():
-    """The attention kernels for a pass of a few queries over fixed KV buffers: PyTorch's math
-    backend (matmuls and a softmax). Its fused float32 kernel (memory-efficient attention) walks all
+@contextlib.contextmanager
+def decode_attention(config=None):
+    """The attention kernels for a pass of a few queries over fixed KV buffers: for a model whose
+    `config` runs transformers' sdpa attention, `grouped_attention` (no copies of the buffers); and
+    otherwise PyTorch's math backend. Its fused float32 kernel (memory-efficient attention) walks all
     `max_len` keys in one block per head: on an H100, 73 us a layer for SmolLM2's shape over 600
-    positions against math's 23 (`bench/decode_kernels.py`), half of a graphed verifier pass."""
-    return sdpa_kernel([SDPBackend.MATH])
+    positions against math's 23 (`bench/decode_kernels.py`), half of a graphed verifier pass. Set
+    around each pass (a CUDA graph replays what its capture ran) and restored after."""
+    before = getattr(config, "_attn_implementation", None)
+    if before == "sdpa":
+        AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
+        config._attn_implementation = GROUPED_ATTENTION
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        if before == "sdpa":
+            config._attn_implementation = before
+
+
+GROUPED_ATTENTION = "eagle3_grouped"  # the name `decode_attention` registers `grouped_attention` under in transformers
+
+
+def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' sdpa attention for a pass of a few queries over fixed KV buffers, without copying
+    the buffers: each KV head's query heads are stacked as the rows of one product with it. (With a
+    mask, transformers repeats the K/V heads of the whole buffer in every layer of every pass, and
+    PyTorch's math backend then scales every key.) `query` [b, Hq, q, d], `key` / `value`
+    [b, Hkv, L, d / dv], `attention_mask` additive [b, 1, q, L]; returns ([b, q, Hq, dv], None), as
+    transformers' attention functions do. Without a mask, or with dropout, transformers' own sdpa
+    attention runs."""
+    if attention_mask is None or dropout:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    b, heads, q, d = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    group = heads // kv_heads  # query head h reads KV head h // group, as transformers' repeat_kv pairs them
+    scale = d**-0.5 if scaling is None else scaling
+    scores = torch.matmul(query.reshape(b, kv_heads, group * q, d) * scale, key.transpose(-1, -2))
+    probs = torch.softmax(scores.view(b, kv_heads, group, q, length) + attention_mask[:, :, None], dim=-1)
+    out = torch.matmul(probs.view(b, kv_heads, group * q, length), value)
+    return out.view(b, heads, q, value.shape[-1]).transpose(1, 2), None
 
 
 class DynamicForward:
@@ -96,10 +135,11 @@ class DynamicForward:
         """Start a new sequence."""
         self.cache = DynamicCache()
 
-    def __call__(self, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:
-        """Append `ids`; the verifier's argmax after each, and their aux states [len(ids), 3, H] (None without capture)."""
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache, use_cache=True)
-        return out.logits[0].argmax(-1).tolist(), aux_states(self.capture)
+    def __call__(self, ids: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append `ids`; the verifier's argmax after each [len(ids)], and their aux states [len(ids), 3, H]
+        (None without capture), on the device and not yet read."""
+        out = self.model(input_ids=torch.as_tensor(ids, device=self.device)[None], past_key_values=self.cache, use_cache=True)
+        return out.logits[0].argmax(-1), aux_states(self.capture)
 
     def rollback(self, n: int) -> None:
         """Forget the last `n` tokens."""
@@ -165,13 +205,31 @@ def capture_graph(run, pool) -> tuple[torch.cuda.CUDAGraph, Any]:
     return graph, out
 
 
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # [1, q] the static inputs a replay reads
-    positions: torch.Tensor  # [q]
-    argmax: torch.Tensor  # [q] and the outputs it writes
-    aux: torch.Tensor | None  # [q, 3, H]
+class Graphs:
+    """CUDA graphs of one computation, one per input shape (`key`), each replayed on input buffers of
+    its own: the first call with a key captures `run(**inputs)` on copies of `inputs`; later calls
+    copy their inputs into those and replay. Returns what the recorded call returned: tensors the next
+    replay of that key overwrites. `warm`: run eagerly once before capturing (a torch.compile'd
+    function compiles a new shape there, and compiling synchronizes, which a capture forbids)."""
+
+    def __init__(self, warm: bool = False):
+        self.warm = warm
+        self.pool = torch.cuda.graph_pool_handle()  # one memory pool: the graphs of one computation never run at once
+        self.captured: dict[Any, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], Any]] = {}
+
+    def __call__(self, key, run, **inputs: torch.Tensor):
+        entry = self.captured.get(key)
+        if entry is None:
+            buffers = {name: tensor.clone() for name, tensor in inputs.items()}
+            if self.warm:
+                run(**buffers)
+            graph, out = capture_graph(lambda: run(**buffers), self.pool)
+            entry = self.captured[key] = (graph, buffers, out)
+        else:
+            for name, tensor in inputs.items():
+                entry[1][name].copy_(tensor)
+        entry[0].replay()
+        return entry[2]
 
 
 class StaticForward:
@@ -185,10 +243,10 @@ class StaticForward:
         self.cache = FixedCache(max_len)
         self.columns = torch.arange(max_len, device=self.device)
         self.dtype = next(model.parameters()).dtype
+        self.attention_config = text_config(model.config)  # what its attention layers read their implementation from
         self.length = 0
-        self._graphs: dict[int, _Graph] = {}
-        self._clears: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by positions forgotten
-        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._passes = Graphs() if self.graphs else None  # by tokens passed
+        self._clears = Graphs() if self.graphs else None  # by positions forgotten
         self.kind = "fixed KV buffers, CUDA graphs, math attention, cuBLASLt" if self.graphs else "fixed KV buffers, math attention"
 
     def reset(self) -> None:
@@ -202,19 +260,17 @@ class StaticForward:
         self.cache.positions = positions
         mask = torch.full((len(positions), len(self.columns)), torch.finfo(self.dtype).min, dtype=self.dtype, device=self.device)
         mask.masked_fill_(self.columns[None, :] <= positions[:, None], 0.0)  # [q, max_len], additive: causal over the buffers
-        with decode_matmuls(self.device), decode_attention() if decode else contextlib.nullcontext():
+        with decode_matmuls(self.device), decode_attention(self.attention_config) if decode else contextlib.nullcontext():
             out = self.model(
                 input_ids=ids, position_ids=positions[None], attention_mask=mask[None, None], past_key_values=self.cache, use_cache=True
             )
         return out.logits[0].argmax(-1), aux_states(self.capture)
 
-    def _capture(self, ids: torch.Tensor, positions: torch.Tensor) -> _Graph:
-        """Capture the pass of `ids` at `positions` (its warm-up writes the same K/V the replay writes)."""
-        graph, (argmax, aux) = capture_graph(lambda: self._pass(ids, positions, decode=True), self._pool)
-        return _Graph(graph, ids, positions, argmax, aux)
-
-    def __call__(self, ids: list[int]) -> tuple[list[int], torch.Tensor | None]:
-        """Append `ids`; the verifier's argmax after each, and their aux states [len(ids), 3, H] (None without capture).
+    def __call__(self, ids: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append `ids` (host ids, or a device tensor: queued behind whatever produced it, unread); the
+        verifier's argmax after each [len(ids)], and their aux states [len(ids), 3, H] (None without
+        capture), on the device and not yet read. On CUDA the argmax is the graph's own output: read it
+        (or copy it) before the next pass of as many tokens.
 
         Raises:
             ValueError: the sequence would outgrow the `max_len` positions.
@@ -222,21 +278,15 @@ class StaticForward:
         q, start = len(ids), self.length
         if start + q > self.cache.max_len:
             raise ValueError(f"a sequence of {start + q} tokens outgrows the KV buffers of {self.cache.max_len} positions")
-        tokens = torch.tensor([ids], device=self.device)
+        tokens = torch.as_tensor(ids, device=self.device)[None]
         positions = self.columns[start : start + q]
-        if not (self.graphs and start):  # a sequence's first pass (the prompt) has a length of its own: eager
+        if self._passes is None or not start:  # a sequence's first pass (the prompt) has a length of its own: eager
             argmax, aux = self._pass(tokens, positions, decode=start > 0)
-        else:
-            graph = self._graphs.get(q)
-            if graph is None:
-                graph = self._graphs[q] = self._capture(tokens, positions.clone())
-            else:
-                graph.ids.copy_(tokens)
-                graph.positions.copy_(positions)
-            graph.graph.replay()
-            argmax, aux = graph.argmax, None if graph.aux is None else graph.aux.clone()  # the next replay overwrites it
+        else:  # the capture's warm-up writes the K/V the replay writes
+            argmax, aux = self._passes(q, lambda ids, positions: self._pass(ids, positions, decode=True), ids=tokens, positions=positions)
+            aux = None if aux is None else aux.clone()  # the next replay overwrites it
         self.length += q
-        return argmax.tolist(), aux
+        return argmax, aux
 
     def rollback(self, n: int) -> None:
         """Forget the last `n` tokens: zero their entries (every position past the sequence stays
@@ -249,16 +299,10 @@ class StaticForward:
         if not n:
             return
         forgotten = self.columns[self.length : self.length + n]
-        if not self.graphs:
+        if self._clears is None:
             self.cache.clear_at(forgotten)
-            return
-        graph = self._clears.get(n)
-        if graph is None:
-            positions = forgotten.clone()
-            graph = self._clears[n] = (capture_graph(lambda: self.cache.clear_at(positions), self._pool)[0], positions)
         else:
-            graph[1].copy_(forgotten)
-        graph[0].replay()
+            self._clears(n, self.cache.clear_at, positions=forgotten)
 
 
 def full_attention_only(config) -> bool:

@@ -142,7 +142,7 @@ def test_every_drafted_token_matches_its_training_forward(norms, request, verifi
     proposer.observe(capture.stacked()[0, :, :-1])
     k = 3
 
-    chain = proposer.propose(context, k)
+    chain = proposer.propose(context, k).tolist()
     drafted, logits = [step[-1] for step in logits], []
 
     sequence = context + chain
@@ -183,10 +183,10 @@ def test_step_0_extended_round_by_round_proposes_what_step_0_over_the_whole_cont
 
     for accepted, k in [(0, 3), (3, 3), (0, 1), (1, 1), (2, 3), (0, 3), (3, 3)]:  # each round confirms accepted + 1 tokens
         context = sequence[: confirmed + 1]
-        chain = proposer.propose(context, k)
+        chain = proposer.propose(context, k).tolist()
         fresh = Eagle3Proposer(draft)
         fresh.observe(aux[:confirmed])
-        assert chain == fresh.propose(context, k), confirmed
+        assert chain == fresh.propose(context, k).tolist(), confirmed
         torch.testing.assert_close(proposer.last, fresh.last)
         assert proposer.cache.get_seq_length() == confirmed  # the chained steps' entries are gone
         proposer.observe(aux[confirmed : confirmed + accepted + 1])
@@ -214,7 +214,7 @@ def test_the_draft_on_fixed_buffers_proposes_what_it_proposes_on_transformers_ca
 
     for accepted, k in [(0, 3), (3, 3), (0, 1), (1, 1), (2, 3), (0, 3), (3, 3), (1, 5)]:
         context = sequence[: confirmed + 1]
-        assert static.propose(context, k) == eager.propose(context, k), confirmed
+        assert static.propose(context, k).tolist() == eager.propose(context, k).tolist(), confirmed
         for proposer in (eager, static):
             proposer.observe(aux[confirmed : confirmed + accepted + 1])
         confirmed += accepted + 1
@@ -244,7 +244,7 @@ def test_teacher_forced_first_tokens_are_the_proposals_and_the_training_step_0(e
     for end in range(2, len(sequence) + 1):
         proposer.reset()
         proposer.observe(aux[: end - 1])
-        assert proposer.propose(sequence[:end], 1) == [predicted[end - 2]], end
+        assert proposer.propose(sequence[:end], 1).tolist() == [predicted[end - 2]], end
     logits = []
     hook = draft.lm_head.register_forward_hook(lambda module, args, out: logits.append(out[0]))
     n = len(sequence) - 1
@@ -274,7 +274,7 @@ def test_draft_token_accuracy_counts_each_first_proposal_against_the_next_token(
             model(input_ids=torch.tensor([context[:-1]]))
         proposer.reset()
         proposer.observe(capture.stacked()[0, :, :-1])
-        [proposed] = proposer.propose(context, 1)
+        [proposed] = proposer.propose(context, 1).tolist()
         continuation.append(proposed if m % 3 else (proposed + 1) % 900)
 
     assert draft_token_accuracy(model, capture, proposer, PROMPT, continuation) == (8, 11)

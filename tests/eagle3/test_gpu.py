@@ -136,7 +136,7 @@ def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_
             with torch.inference_mode():  # as decoding runs: the buffers are inference tensors
                 drafted[proposer] = _rounds(forward, proposer, prompt)
         assert drafted[replayed] == drafted[direct], compiled
-        assert replayed._graphs, "rounds after the first replay graphs"
+        assert replayed._rounds.captured, "rounds after the first replay graphs"
 
 
 def _rounds(forward, proposer, prompt: list[int]) -> list[list[int]]:
@@ -145,10 +145,11 @@ def _rounds(forward, proposer, prompt: list[int]) -> list[list[int]]:
     proposer.reset()
     argmax, aux = forward(prompt)
     proposer.observe(aux)
-    context, rounds = [*prompt, argmax[-1]], []
+    context, rounds = [*prompt, int(argmax[-1])], []
     for k in (3, 3, 1, 5, 3, 3):
-        rounds.append(proposer.propose(context, k))
+        rounds.append(proposer.propose(context, k).tolist())
         argmax, aux = forward([context[-1], *rounds[-1]])
+        argmax = argmax.tolist()
         accepted = next((i for i, (a, b) in enumerate(zip(rounds[-1], argmax)) if a != b), len(rounds[-1]))
         forward.rollback(len(rounds[-1]) - accepted)
         proposer.observe(aux[: accepted + 1])
@@ -163,10 +164,14 @@ def test_cuda_graph_replays_compute_what_eager_passes_compute(tiny_verifier):
     prompt = [1, 200, 300, 400, 500, 600, 700, 200, 300]
 
     def passes(forward):
+        def read(ids):  # a graphed pass's argmax is its graph's output buffer: read before the next replay
+            argmax, aux = forward(ids)
+            return argmax.tolist(), aux
+
         forward.reset()
-        out = [forward(prompt), forward([41, 42, 43, 44])]  # captures the 4-token graph
+        out = [read(prompt), read([41, 42, 43, 44])]  # captures the 4-token graph
         forward.rollback(2)
-        out += [forward([45, 46, 47, 48]), forward([49]), forward([50])]  # replays it at new positions; captures, replays 1
+        out += [read([45, 46, 47, 48]), read([49]), read([50])]  # replays it at new positions; captures, replays 1
         return out
 
     with torch.inference_mode():  # as decoding captures
@@ -174,7 +179,7 @@ def test_cuda_graph_replays_compute_what_eager_passes_compute(tiny_verifier):
     for (argmax, aux), (expected_argmax, expected_aux) in zip(graphed_passes, eager_passes, strict=True):
         assert argmax == expected_argmax
         assert torch.equal(aux, expected_aux)
-    assert sorted(graphed._graphs) == [1, 4] and sorted(graphed._clears) == [2]
+    assert sorted(graphed._passes.captured) == [1, 4] and sorted(graphed._clears.captured) == [2]
     expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False, eos_token_id=None)[
         0, len(prompt) :
     ]

@@ -53,8 +53,8 @@ def test_each_pass_after_a_rollback_returns_what_one_full_forward_of_the_kept_to
         full = model(input_ids=torch.tensor([sequence]), use_cache=False)
         full_aux = capture.stacked()[0, :, :-1]
     capture.close()
-    assert argmax_prompt == full.logits[0, : len(PROMPT)].argmax(-1).tolist()
-    assert argmax == full.logits[0, -2:].argmax(-1).tolist()
+    assert argmax_prompt.tolist() == full.logits[0, : len(PROMPT)].argmax(-1).tolist()
+    assert argmax.tolist() == full.logits[0, -2:].argmax(-1).tolist()
     torch.testing.assert_close(aux, full_aux[-2:], atol=1e-5, rtol=1e-5)
 
 
@@ -72,7 +72,7 @@ def test_entries_a_rollback_forgets_cannot_reach_later_passes_even_as_nan(model)
 
     with torch.inference_mode():
         full = model(input_ids=torch.tensor([[*PROMPT, 41, 44]]), use_cache=False)
-    assert argmax == full.logits[0, -1:].argmax(-1).tolist()
+    assert argmax.tolist() == full.logits[0, -1:].argmax(-1).tolist()
 
 
 def test_a_sequence_that_outgrows_the_buffers_is_refused(model):

@@ -3,14 +3,17 @@
     python bench/decode_kernels.py            # one GPU: SmolLM2-135M's shapes
     python bench/decode_kernels.py --json bench/results/decode_kernels_h100.json
 
-Why `eagle3.verifier.forward` runs decode passes with `decode_attention` (PyTorch's math backend)
-and `decode_matmuls` (cuBLASLt): a pass of a few tokens over fixed KV buffers is a string of small
-kernels, and two of PyTorch's default choices are slow at that shape in float32. Each row times one
-operation replayed as a CUDA graph (as decoding replays it), in microseconds, for 1, 2 and 4 rows:
+Why `eagle3.verifier.forward` runs decode passes with `decode_attention` (PyTorch's math backend,
+and `grouped_attention` in place of transformers' sdpa attention) and `decode_matmuls` (cuBLASLt): a
+pass of a few tokens over fixed KV buffers is a string of small kernels, and PyTorch's and
+transformers' default choices are slow at that shape in float32. Each row times one operation
+replayed as a CUDA graph (as decoding replays it), in microseconds, for 1, 2 and 4 rows:
 scaled-dot-product attention of 9 query heads over `--keys` positions of 3 KV heads (SmolLM2-135M's
-layer, KV heads repeated as transformers repeats them) with an additive mask, per backend; and each
-of the layer's matrix products ([rows, in] x [in, out], float32) per BLAS library. On a CPU only the
-math attention rows run, eagerly (the other backend and both libraries are CUDA's).
+layer) with an additive mask, per backend on KV heads repeated beforehand; then as a pass runs it on
+the buffers' 3 KV heads: transformers' sdpa path (which repeats them in the pass when a mask is given)
+against `grouped_attention`; and each of the layer's matrix products ([rows, in] x [in, out],
+float32) per BLAS library. On a CPU only the math and grouped rows run, eagerly (the other backend
+and both libraries are CUDA's).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.evaluation.baseline import device_name
-from eagle3.verifier.forward import capture_graph, grouped_attention
+from eagle3.verifier.forward import attend_grouped, capture_graph
 
 ROWS = (1, 2, 4)
 PRODUCTS = {"q/o 576x576": (576, 576), "k/v 576x192": (576, 192), "gate/up 576x1536": (576, 1536), "down 1536x576": (1536, 576)}
@@ -83,7 +86,7 @@ def attention_in_a_pass(device: str, keys: int, repeats: int) -> dict:
         "math, KV repeated in the pass": lambda query, mask: F.scaled_dot_product_attention(
             query, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), attn_mask=mask, scale=scaling
         ),
-        "grouped (forward.grouped_attention)": lambda query, mask: grouped_attention(None, query, k, v, mask, scaling)[0],
+        "grouped (forward.grouped_attention)": lambda query, mask: attend_grouped(query, k, v, mask, scaling),
     }
     rows = {}
     for name, attend in variants.items():

@@ -160,7 +160,9 @@ def decode(forward, proposer, prompts: list[list[int]], max_new_tokens: int, k: 
         timed_proposer = Timed(proposer, "propose")
         runs = [speculative_decode(forward, proposer, p, max_new_tokens, k, eos_ids) for p in prompts]
         for p in prompts:
+            first = len(timed_proposer.calls)
             speculative_decode(timed_forward, timed_proposer, p, max_new_tokens, k, eos_ids)
+            del timed_proposer.calls[first]  # the round over the prompt, as the prompt's pass is left out
     tokens = sum(len(r.tokens) for r in runs)
     row = {
         "outputs": [r.tokens for r in runs],

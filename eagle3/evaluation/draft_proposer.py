@@ -170,8 +170,8 @@ class StaticEagle3Proposer(Eagle3Proposer):
     `torch.compile` (inductor), which fuses them into a few kernels before the round is captured
     (on an H100, three steps of a two-layer draft: 0.69 ms against 1.07; `bench/draft_speed.py`).
     Fused kernels round differently from eager ones, so a compiled draft may now and then propose
-    another token; the verifier checks every draft, so the output does not change. Steps pick the
-    kernels the verifier's decode passes pick (`decode_attention`, `decode_matmuls`)."""
+    another token; the verifier checks every draft, so the output does not change. Steps run with
+    PyTorch's math attention (`decode_attention`) and cuBLASLt (`decode_matmuls`)."""
 
     def __init__(self, draft, max_len: int, graphs: bool | None = None, compiled: bool | None = None):
         device = draft.fc.weight.device
@@ -231,7 +231,7 @@ class StaticEagle3Proposer(Eagle3Proposer):
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int) -> torch.Tensor:
-        """The k drafted tokens after `context` (verifier ids [k], on the device, unread; on CUDA the
+        """The k drafted tokens after `context` (verifier ids [k], on the device, unread; on CUDA a
         round's graph's own output: read or copy it before the next round).
 
         Raises:

@@ -7,8 +7,8 @@ measures it). `StaticForward` keeps the KV cache in fixed buffers and passes its
 mask, so every pass of one length runs the same kernels on the same addresses; on CUDA each
 length is captured once as a CUDA graph and replayed. A replay runs the kernels the eager pass
 runs, so it computes what the eager pass computes. On CUDA every pass multiplies with cuBLASLt
-(`decode_matmuls`), and passes after the prompt's attend with the math backend (`decode_attention`):
-kernels made for a few queries.
+(`decode_matmuls`), and passes after the prompt's attend without copying the KV buffers
+(`decode_attention`): kernels made for a few queries.
 Evaluation uses it on a GPU for verifiers whose layers are all full attention and which decode
 the first prompt as transformers' own cache does (`eagle3.evaluation.forward_choice`); the others
 (sliding windows, linear attention, layers that cannot be captured), and every verifier on a CPU,
@@ -22,18 +22,19 @@ from typing import Any, overload
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AttentionInterface, Cache, DynamicCache
+from transformers import Cache, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from eagle3.verifier.capture import HiddenStateCapture
 from eagle3.verifier.loading import text_config
 
 __all__ = [
-    "GROUPED_ATTENTION",
     "DynamicForward",
     "FixedCache",
     "Graphs",
     "StaticForward",
+    "attend_grouped",
     "aux_states",
     "capture_graph",
     "decode_attention",
@@ -80,45 +81,64 @@ def decode_matmuls(device: torch.device):
 
 @contextlib.contextmanager
 def decode_attention(config=None):
-    """The attention kernels for a pass of a few queries over fixed KV buffers: for a model whose
-    `config` runs transformers' sdpa attention, `grouped_attention` (no copies of the buffers); and
-    otherwise PyTorch's math backend. Its fused float32 kernel (memory-efficient attention) walks all
-    `max_len` keys in one block per head: on an H100, 73 us a layer for SmolLM2's shape over 600
-    positions against math's 23 (`bench/decode_kernels.py`), half of a graphed verifier pass. Set
-    around each pass (a CUDA graph replays what its capture ran) and restored after."""
-    before = getattr(config, "_attn_implementation", None)
-    if before == "sdpa":
-        AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
-        config._attn_implementation = GROUPED_ATTENTION
+    """The attention kernels for a pass of a few queries over fixed KV buffers. Scaled-dot-product
+    attention runs PyTorch's math backend (matmuls and a softmax): its fused float32 kernel
+    (memory-efficient attention) walks all `max_len` keys in one block per head, on an H100 73 us a
+    layer for SmolLM2's shape over 600 positions against math's 23 (`bench/decode_kernels.py`), half
+    of a graphed verifier pass. For a model whose `config` runs transformers' sdpa attention,
+    `grouped_attention` stands in for it (the name stays "sdpa": models that branch on it keep their
+    path). Set around each pass (a CUDA graph replays what its capture ran) and undone after."""
+    grouped = getattr(config, "_attn_implementation", None) == "sdpa"
+    previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if grouped:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = grouped_attention  # transformers' table, for this process: a local entry
     try:
         with sdpa_kernel([SDPBackend.MATH]):
             yield
     finally:
-        if before == "sdpa":
-            config._attn_implementation = before
-
-
-GROUPED_ATTENTION = "eagle3_grouped"  # the name `decode_attention` registers `grouped_attention` under in transformers
+        if grouped:
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
 
 
 def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' sdpa attention for a pass of a few queries over fixed KV buffers, without copying
-    the buffers: each KV head's query heads are stacked as the rows of one product with it. (With a
-    mask, transformers repeats the K/V heads of the whole buffer in every layer of every pass, and
-    PyTorch's math backend then scales every key.) `query` [b, Hq, q, d], `key` / `value`
-    [b, Hkv, L, d / dv], `attention_mask` additive [b, 1, q, L]; returns ([b, q, Hq, dv], None), as
-    transformers' attention functions do. Without a mask, or with dropout, transformers' own sdpa
-    attention runs."""
-    if attention_mask is None or dropout:
+    them: each KV head's query heads are stacked as the rows of one product with it. With a mask,
+    transformers repeats the K/V heads of the whole buffer in every layer of every pass (and the math
+    backend scales every key): on an H200, 41.3 us a layer for 4 queries against 25.8 here
+    (`bench/decode_kernels.py`). `query` [b, Hq, q, d], `key` / `value` [b, Hkv, L, d / dv],
+    `attention_mask` additive [b, 1, q, L]; returns ([b, q, Hq, dv], None), as transformers'
+    attention functions do.
+
+    transformers' own sdpa attention runs instead for one query (in a whole pass it measured faster:
+    3.11 against 3.20 ms a pass of SmolLM2-135M on an H200), outside float32 (the math backend
+    computes half precision in float32; this would not), and for what only it handles: no or a
+    boolean mask, dropout, a position bias, a paged cache."""
+    plain = (
+        query.shape[2] > 1
+        and query.dtype == torch.float32
+        and not dropout
+        and attention_mask is not None
+        and attention_mask.is_floating_point()
+        and attention_mask.dim() == 4
+        and attention_mask.shape[1] == 1
+        and kwargs.get("position_bias") is None
+        and kwargs.get("cache") is None
+    )
+    if not plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return attend_grouped(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling), None
+
+
+def attend_grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v with each KV head's query heads as rows of one product:
+    `grouped_attention`'s arithmetic, shapes as there; returns [b, q, Hq, dv]."""
     b, heads, q, d = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     group = heads // kv_heads  # query head h reads KV head h // group, as transformers' repeat_kv pairs them
-    scale = d**-0.5 if scaling is None else scaling
     scores = torch.matmul(query.reshape(b, kv_heads, group * q, d) * scale, key.transpose(-1, -2))
-    probs = torch.softmax(scores.view(b, kv_heads, group, q, length) + attention_mask[:, :, None], dim=-1)
+    probs = torch.softmax(scores.view(b, kv_heads, group, q, length) + mask[:, :, None], dim=-1)
     out = torch.matmul(probs.view(b, kv_heads, group * q, length), value)
-    return out.view(b, heads, q, value.shape[-1]).transpose(1, 2), None
+    return out.view(b, heads, q, value.shape[-1]).transpose(1, 2)
 
 
 class DynamicForward:
@@ -208,9 +228,10 @@ def capture_graph(run, pool) -> tuple[torch.cuda.CUDAGraph, Any]:
 class Graphs:
     """CUDA graphs of one computation, one per input shape (`key`), each replayed on input buffers of
     its own: the first call with a key captures `run(**inputs)` on copies of `inputs`; later calls
-    copy their inputs into those and replay. Returns what the recorded call returned: tensors the next
-    replay of that key overwrites. `warm`: run eagerly once before capturing (a torch.compile'd
-    function compiles a new shape there, and compiling synchronizes, which a capture forbids)."""
+    copy their inputs into those and replay. Returns what the recorded call returned: tensors that the
+    next replay of any key may overwrite (the graphs share one memory pool), so read or copy them
+    first. `warm`: run eagerly once before capturing (a torch.compile'd function compiles a new shape
+    there, and compiling synchronizes, which a capture forbids)."""
 
     def __init__(self, warm: bool = False):
         self.warm = warm
@@ -247,7 +268,9 @@ class StaticForward:
         self.length = 0
         self._passes = Graphs() if self.graphs else None  # by tokens passed
         self._clears = Graphs() if self.graphs else None  # by positions forgotten
-        self.kind = "fixed KV buffers, CUDA graphs, math attention, cuBLASLt" if self.graphs else "fixed KV buffers, math attention"
+        grouped = self.attention_config._attn_implementation == "sdpa" and self.dtype == torch.float32
+        attention = "grouped attention" if grouped else "math attention"  # what `grouped_attention` runs for passes of several tokens
+        self.kind = f"fixed KV buffers, CUDA graphs, {attention}, cuBLASLt" if self.graphs else f"fixed KV buffers, {attention}"
 
     def reset(self) -> None:
         """Start a new sequence."""
@@ -269,8 +292,8 @@ class StaticForward:
     def __call__(self, ids: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append `ids` (host ids, or a device tensor: queued behind whatever produced it, unread); the
         verifier's argmax after each [len(ids)], and their aux states [len(ids), 3, H] (None without
-        capture), on the device and not yet read. On CUDA the argmax is the graph's own output: read it
-        (or copy it) before the next pass of as many tokens.
+        capture), on the device and not yet read. On CUDA the argmax is a graph's own output: read it
+        (or copy it) before the next pass.
 
         Raises:
             ValueError: the sequence would outgrow the `max_len` positions.

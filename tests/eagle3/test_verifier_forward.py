@@ -1,13 +1,17 @@
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import MistralConfig, Qwen2Config, Qwen3NextConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from eagle3.evaluation.forward_choice import decodes_like_dynamic, forward_for
 from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculative_decode
 from eagle3.verifier.capture import HiddenStateCapture
-from eagle3.verifier.forward import DynamicForward, StaticForward, full_attention_only
+from eagle3.verifier.forward import DynamicForward, StaticForward, decode_attention, full_attention_only, grouped_attention
 from eagle3.verifier.loading import load_text_model
 
 AUX = [1, 2, 3]
@@ -113,3 +117,49 @@ def test_windowed_and_linear_attention_layers_are_told_from_full_attention(model
     assert not full_attention_only(Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=0))
     assert not full_attention_only(MistralConfig(sliding_window=4))
     assert not full_attention_only(Qwen3NextConfig(num_hidden_layers=4))  # linear attention in three layers of four
+
+
+GQA = SimpleNamespace(num_key_value_groups=3, is_causal=True)  # what transformers' sdpa attention reads of a layer
+
+
+def _attention_inputs(q: int, dtype=torch.float32, value_dim: int = 16):
+    torch.manual_seed(0)
+    query, key = torch.randn(1, 6, q, 16, dtype=dtype), torch.randn(1, 2, 20, 16, dtype=dtype)
+    value = torch.randn(1, 2, 20, value_dim, dtype=dtype)
+    mask = torch.zeros(1, 1, q, 20, dtype=dtype)
+    mask[..., 12:] = torch.finfo(dtype).min  # the buffer past the sequence
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize("value_dim", [16, 8], ids=["llama", "mla"])  # MLA's value heads are narrower than its keys
+def test_grouped_attention_computes_transformers_sdpa_attention(value_dim):
+    query, key, value, mask = _attention_inputs(4, value_dim=value_dim)
+
+    ours, _ = grouped_attention(GQA, query, key, value, mask, scaling=0.3)
+    theirs, _ = sdpa_attention_forward(GQA, query, key, value, mask, scaling=0.3)
+
+    assert ours.shape == theirs.shape == (1, 4, 6, value_dim)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["one query", "bfloat16", "no mask", "boolean mask", "position bias"])
+def test_grouped_attention_hands_what_it_does_not_run_to_transformers(case):
+    query, key, value, mask = _attention_inputs(1 if case == "one query" else 4, torch.bfloat16 if case == "bfloat16" else torch.float32)
+    mask = {"no mask": None, "boolean mask": mask == 0}.get(case, mask)
+    extra = {"position_bias": torch.randn(1, 6, 4, 20)} if case == "position bias" else {}
+
+    ours, _ = grouped_attention(GQA, query, key, value, mask, scaling=0.3, **extra)
+    theirs, _ = sdpa_attention_forward(GQA, query, key, value, mask, scaling=0.3, **extra)
+
+    assert torch.equal(ours, theirs)
+
+
+def test_decode_attention_swaps_sdpa_for_the_pass_and_restores_it_on_error(model):
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    with pytest.raises(RuntimeError, match="inside the pass"), decode_attention(model.config):
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is grouped_attention and model.config._attn_implementation == "sdpa"
+        raise RuntimeError("inside the pass")
+
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
+    with decode_attention(SimpleNamespace(_attn_implementation="eager")):
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before  # another implementation: nothing swapped

@@ -267,7 +267,8 @@ class StaticForward:
         self.attention_config = text_config(model.config)  # what its attention layers read their implementation from
         self.length = 0
         self._passes = Graphs() if self.graphs else None  # by tokens passed
-        self._clears = Graphs() if self.graphs else None  # by positions forgotten
+        self._clears = Graphs() if self.graphs else None  # by positions zeroed
+        self.stale = 0  # positions [length, stale) hold entries of forgotten tokens, not yet zeroed
         grouped = self.attention_config._attn_implementation == "sdpa" and self.dtype == torch.float32
         attention = "grouped attention" if grouped else "math attention"  # what `grouped_attention` runs for passes of several tokens
         self.kind = f"fixed KV buffers, CUDA graphs, {attention}, cuBLASLt" if self.graphs else f"fixed KV buffers, {attention}"
@@ -275,7 +276,7 @@ class StaticForward:
     def reset(self) -> None:
         """Start a new sequence."""
         self.cache.clear(0)
-        self.length = 0
+        self.length = self.stale = 0
 
     def _pass(self, ids: torch.Tensor, positions: torch.Tensor, decode: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`decode`: a pass after the prompt's, a few queries (`decode_attention`); the prompt's
@@ -303,6 +304,9 @@ class StaticForward:
             raise ValueError(f"a sequence of {start + q} tokens outgrows the KV buffers of {self.cache.max_len} positions")
         tokens = torch.as_tensor(ids, device=self.device)[None]
         positions = self.columns[start : start + q]
+        if self.stale > start + q:  # forgotten entries this pass will not overwrite
+            self._zero(start + q, self.stale)
+        self.stale = 0
         if self._passes is None or not start:  # a sequence's first pass (the prompt) has a length of its own: eager
             argmax, aux = self._pass(tokens, positions, decode=start > 0)
         else:  # the capture's warm-up writes the K/V the replay writes
@@ -312,20 +316,23 @@ class StaticForward:
         return argmax, aux
 
     def rollback(self, n: int) -> None:
-        """Forget the last `n` tokens: zero their entries (every position past the sequence stays
-        zero, see `FixedCache.clear`). On CUDA a captured graph zeroes them in every layer's
-        buffers: one launch where a buffer at a time takes two for each layer, on the host's time
-        between passes."""
+        """Forget the last `n` tokens. Their entries must read as zeros to every later pass (see
+        `FixedCache.clear`), but the next pass writes its tokens over them: it zeroes only those it
+        will not overwrite, before it runs. Speculative decoding's next pass is the next round's
+        k + 1 tokens, more than it can reject, so it zeroes nothing (zeroing costs a kernel per layer
+        and buffer)."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot forget {n} of {self.length} tokens")
         self.length -= n
-        if not n:
-            return
-        forgotten = self.columns[self.length : self.length + n]
+        self.stale = max(self.stale, self.length + n)
+
+    def _zero(self, start: int, end: int) -> None:
+        """Zero the entries at positions [start, end); on CUDA a captured graph per count."""
+        positions = self.columns[start:end]
         if self._clears is None:
-            self.cache.clear_at(forgotten)
+            self.cache.clear_at(positions)
         else:
-            self._clears(n, self.cache.clear_at, positions=forgotten)
+            self._clears(end - start, self.cache.clear_at, positions=positions)
 
 
 def full_attention_only(config) -> bool:

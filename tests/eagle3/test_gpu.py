@@ -171,7 +171,9 @@ def test_cuda_graph_replays_compute_what_eager_passes_compute(tiny_verifier):
         forward.reset()
         out = [read(prompt), read([41, 42, 43, 44])]  # captures the 4-token graph
         forward.rollback(2)
-        out += [read([45, 46, 47, 48]), read([49]), read([50])]  # replays it at new positions; captures, replays 1
+        out.append(read([45, 46, 47, 48]))  # replays it at new positions, over the two forgotten entries
+        forward.rollback(3)
+        out += [read([49]), read([50])]  # captures and replays 1, after zeroing the two forgotten entries it leaves
         return out
 
     with torch.inference_mode():  # as decoding captures

@@ -71,12 +71,27 @@ def test_entries_a_rollback_forgets_cannot_reach_later_passes_even_as_nan(model)
         buffer[:, :, len(PROMPT) + 1 : len(PROMPT) + 3] = float("nan")  # what an overflow in the two drafts rejected would leave
 
     forward.rollback(2)
-    assert not any(buffer[:, :, len(PROMPT) + 1 :].any() for buffer in buffers)  # every position past the sequence is zero
-    argmax, _ = forward([44])
+    argmax, _ = forward([44])  # writes over the first forgotten entry; the second must read as zeros
 
+    assert not any(buffer[:, :, len(PROMPT) + 2 :].any() for buffer in buffers)  # every position past the sequence is zero
     with torch.inference_mode():
         full = model(input_ids=torch.tensor([[*PROMPT, 41, 44]]), use_cache=False)
     assert argmax.tolist() == full.logits[0, -1:].argmax(-1).tolist()
+
+
+def test_a_pass_zeroes_only_the_forgotten_entries_it_will_not_overwrite(model, monkeypatch):
+    forward = StaticForward(model, None, 32)
+    forward(PROMPT)
+    forward([41, 42, 43])
+    zeroed = []
+    monkeypatch.setattr(forward.cache, "clear_at", lambda positions: zeroed.append(positions.tolist()))
+
+    forward.rollback(2)
+    forward([44, 45, 46])  # as speculative decoding's next round: over both forgotten entries
+    assert zeroed == []
+    forward.rollback(3)
+    forward([47])
+    assert zeroed == [[len(PROMPT) + 2, len(PROMPT) + 3]]
 
 
 def test_a_sequence_that_outgrows_the_buffers_is_refused(model):

@@ -11,9 +11,10 @@ replayed as a CUDA graph (as decoding replays it), in microseconds, for 1, 2 and
 scaled-dot-product attention of 9 query heads over `--keys` positions of 3 KV heads (SmolLM2-135M's
 layer) with an additive mask, per backend on KV heads repeated beforehand; then as a pass runs it on
 the buffers' 3 KV heads: transformers' sdpa path (which repeats them in the pass when a mask is given)
-against `grouped_attention`; and each of the layer's matrix products ([rows, in] x [in, out],
-float32) per BLAS library. On a CPU only the math and grouped rows run, eagerly (the other backend
-and both libraries are CUDA's).
+against `grouped_attention`; each of the layer's matrix products ([rows, in] x [in, out],
+float32) per BLAS library; and a whole verifier pass of 1, 2 and 4 tokens (30 random-weight layers
+of that shape, the microseconds of its graph's replay) with each attention. On a CPU only the math
+and grouped rows run, eagerly (the other backend, both libraries and the graphs are CUDA's).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.evaluation.baseline import device_name
+from eagle3.verifier import forward
 from eagle3.verifier.forward import attend_grouped, capture_graph
 
 ROWS = (1, 2, 4)
@@ -120,6 +124,38 @@ def product_rows(repeats: int) -> dict:
     return rows
 
 
+def pass_rows(keys: int, repeats: int) -> dict:
+    """A whole graphed decode pass of a random-weight verifier of SmolLM2-135M-Instruct's shape, as
+    `StaticForward` replays it, with transformers' attention and with `grouped_attention` at every
+    query count (decoding keeps transformers' below `GROUPED_MIN_QUERIES`)."""
+    from draft_speed import random_verifier
+
+    from eagle3.verifier.loading import load_text_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_text_model(random_verifier(Path(tmp) / "verifier", 30), torch.float32, "cuda")
+    rows = {}
+    for name, config, min_queries in (
+        ("verifier pass, transformers' attention", SimpleNamespace(_attn_implementation="as the model's"), forward.GROUPED_MIN_QUERIES),
+        ("verifier pass, grouped attention", None, 1),
+    ):
+        passes = forward.StaticForward(model, None, keys)
+        passes.attention_config = config or passes.attention_config  # decode_attention swaps only an sdpa model's
+        before, forward.GROUPED_MIN_QUERIES = forward.GROUPED_MIN_QUERIES, min_queries
+        try:
+            with torch.inference_mode():
+                times = []
+                for q in ROWS:
+                    passes.reset()
+                    passes(list(range(100, 300)))
+                    passes(list(range(q)))  # captured here
+                    times.append(microseconds(passes._passes.captured[q][0].replay, repeats, True))
+        finally:
+            forward.GROUPED_MIN_QUERIES = before
+        rows[name] = times
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keys", type=int, default=600, help="KV buffer positions (the longest sequence decoded)")
@@ -130,7 +166,7 @@ def main() -> None:
     device = "cuda" if cuda else "cpu"
     rows = attention_rows(device, args.keys, args.repeats if cuda else 10)
     if cuda:
-        rows |= product_rows(args.repeats)
+        rows |= product_rows(args.repeats) | pass_rows(args.keys, args.repeats)
     print(f"{device_name(torch.device(device))}; float32; {args.keys} KV positions; microseconds per replay")
     print(f"{'':<44}" + "".join(f"{f'{m} rows':>10}" for m in ROWS))
     for name, times in rows.items():

@@ -21,21 +21,26 @@ logger = logging.getLogger(__name__)
 
 
 class _ReplayProposer:
-    """Proposes the reference continuation with its k-th token wrong: passes of k + 1 tokens whose
-    last draft is rejected and rolled back."""
+    """Proposes, round by round, the reference continuation with its k-th token wrong (a pass of
+    k + 1 tokens whose last draft is rolled back), with all but its first token wrong (k - 1 drafts
+    rolled back), and nothing: a one-token pass, which first zeroes the forgotten entries it does not
+    overwrite."""
 
     def __init__(self, reference: list[int], prompt_len: int):
         self.reference, self.prompt_len = reference, prompt_len
+        self.rounds = 0
 
     def reset(self) -> None:
-        pass
+        self.rounds = 0
 
     def observe(self, aux_states) -> None:
         pass
 
     def propose(self, context: list[int], k: int) -> list[int]:
         right = self.reference[len(context) - self.prompt_len :][:k]
-        return [*right[:-1], right[-1] - 1 if right[-1] else 1] if right else []
+        self.rounds += 1
+        kept = (len(right) - 1, 1, 0)[self.rounds % 3]
+        return [*right[:kept], *(token - 1 if token else 1 for token in right[kept:])] if kept else []
 
 
 PROBE_TOKENS = 12  # decoded from the probe prompt: enough passes of each kind to show a misplaced position

@@ -7,8 +7,8 @@ measures it). `StaticForward` keeps the KV cache in fixed buffers and passes its
 mask, so every pass of one length runs the same kernels on the same addresses; on CUDA each
 length is captured once as a CUDA graph and replayed. A replay runs the kernels the eager pass
 runs, so it computes what the eager pass computes. On CUDA every pass multiplies with cuBLASLt
-(`decode_matmuls`), and passes after the prompt's attend without copying the KV buffers
-(`decode_attention`): kernels made for a few queries.
+(`decode_matmuls`), and passes after the prompt's attend with kernels made for a few queries
+(`decode_attention`: for several tokens, without copying the KV buffers).
 Evaluation uses it on a GPU for verifiers whose layers are all full attention and which decode
 the first prompt as transformers' own cache does (`eagle3.evaluation.forward_choice`); the others
 (sliding windows, linear attention, layers that cannot be captured), and every verifier on a CPU,
@@ -89,15 +89,25 @@ def decode_attention(config=None):
     `grouped_attention` stands in for it (the name stays "sdpa": models that branch on it keep their
     path). Set around each pass (a CUDA graph replays what its capture ran) and undone after."""
     grouped = getattr(config, "_attn_implementation", None) == "sdpa"
+    had_entry = "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping  # transformers' table: our entry goes again after
     previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
     if grouped:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = grouped_attention  # transformers' table, for this process: a local entry
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = grouped_attention
     try:
         with sdpa_kernel([SDPBackend.MATH]):
             yield
     finally:
-        if grouped:
+        if grouped and had_entry:
             ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
+        elif grouped:
+            del ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+GROUPED_MIN_QUERIES = 2
+"""Passes of fewer queries keep transformers' attention: on an H200 plain greedy decoding (one-token
+passes) took 3.20 ms a pass with grouped attention against 3.11 without it, across two commits
+whose loops differ too, while one layer's attention alone was faster grouped (25.4 against 27.3 us;
+bench/results). `bench/decode_kernels.py` times whole verifier passes both ways on one commit."""
 
 
 def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -109,12 +119,11 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     `attention_mask` additive [b, 1, q, L]; returns ([b, q, Hq, dv], None), as transformers'
     attention functions do.
 
-    transformers' own sdpa attention runs instead for one query (in a whole pass it measured faster:
-    3.11 against 3.20 ms a pass of SmolLM2-135M on an H200), outside float32 (the math backend
-    computes half precision in float32; this would not), and for what only it handles: no or a
-    boolean mask, dropout, a position bias, a paged cache."""
+    transformers' own sdpa attention runs instead for fewer than `GROUPED_MIN_QUERIES` queries,
+    outside float32 (the math backend computes half precision in float32; this would not), and for
+    what only it handles: no or a boolean mask, dropout, a position bias, a paged cache."""
     plain = (
-        query.shape[2] > 1
+        query.shape[2] >= GROUPED_MIN_QUERIES
         and query.dtype == torch.float32
         and not dropout
         and attention_mask is not None
@@ -269,8 +278,11 @@ class StaticForward:
         self._passes = Graphs() if self.graphs else None  # by tokens passed
         self._clears = Graphs() if self.graphs else None  # by positions zeroed
         self.stale = 0  # positions [length, stale) hold entries of forgotten tokens, not yet zeroed
-        grouped = self.attention_config._attn_implementation == "sdpa" and self.dtype == torch.float32
-        attention = "grouped attention" if grouped else "math attention"  # what `grouped_attention` runs for passes of several tokens
+        implementation = self.attention_config._attn_implementation
+        if implementation == "sdpa":  # `grouped_attention` for passes of several tokens in float32
+            attention = "grouped attention" if self.dtype == torch.float32 else "math attention"
+        else:
+            attention = f"{implementation} attention"
         self.kind = f"fixed KV buffers, CUDA graphs, {attention}, cuBLASLt" if self.graphs else f"fixed KV buffers, {attention}"
 
     def reset(self) -> None:
@@ -306,7 +318,7 @@ class StaticForward:
         positions = self.columns[start : start + q]
         if self.stale > start + q:  # forgotten entries this pass will not overwrite
             self._zero(start + q, self.stale)
-        self.stale = 0
+        self.stale = start + q  # what this pass writes: forgotten again if it fails halfway
         if self._passes is None or not start:  # a sequence's first pass (the prompt) has a length of its own: eager
             argmax, aux = self._pass(tokens, positions, decode=start > 0)
         else:  # the capture's warm-up writes the K/V the replay writes

@@ -8,6 +8,7 @@ from transformers import MistralConfig, Qwen2Config, Qwen3NextConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+import eagle3.verifier.forward as forward_module
 from eagle3.evaluation.forward_choice import decodes_like_dynamic, forward_for
 from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculative_decode
 from eagle3.verifier.capture import HiddenStateCapture
@@ -102,8 +103,39 @@ def test_a_sequence_that_outgrows_the_buffers_is_refused(model):
         forward([1, 2])
 
 
-def test_fixed_buffers_decode_a_full_attention_verifier_as_its_dynamic_cache_does(model):
-    assert decodes_like_dynamic(StaticForward(model, None, 64), PROMPT)
+def test_fixed_buffers_decode_a_full_attention_verifier_as_its_dynamic_cache_does(model, monkeypatch):
+    forward = StaticForward(model, None, 64)
+    zeroed, grouped = [], []
+    clear_at, attend = forward.cache.clear_at, forward_module.attend_grouped
+    monkeypatch.setattr(forward.cache, "clear_at", lambda positions: zeroed.append(len(positions)) or clear_at(positions))
+    monkeypatch.setattr(forward_module, "attend_grouped", lambda *args: grouped.append(args[0].shape[2]) or attend(*args))
+
+    assert decodes_like_dynamic(forward, PROMPT)
+    assert zeroed, "the probe decodes a pass that zeroes forgotten entries (a graph of its own on a GPU)"
+    assert grouped and min(grouped) > 1, "passes of several tokens attend grouped; the probe's one-token passes do not"
+
+
+def test_a_pass_that_fails_leaves_what_it_wrote_to_be_zeroed(model, monkeypatch):
+    forward = StaticForward(model, None, 32)
+    forward(PROMPT)
+    forward([41, 42, 43])
+    forward.rollback(3)
+    honest = StaticForward._pass
+
+    def writes_nan_then_fails(self, ids, positions, decode):
+        for buffer in (*self.cache.keys.values(), *self.cache.values.values()):
+            buffer[:, :, positions] = float("nan")
+        raise RuntimeError("out of memory halfway")
+
+    monkeypatch.setattr(StaticForward, "_pass", writes_nan_then_fails)
+    with pytest.raises(RuntimeError, match="halfway"):
+        forward([44, 45, 46, 47])
+    monkeypatch.setattr(StaticForward, "_pass", honest)
+    argmax, _ = forward([44])
+
+    with torch.inference_mode():
+        full = model(input_ids=torch.tensor([[*PROMPT, 44]]), use_cache=False)
+    assert argmax.tolist() == full.logits[0, -1:].argmax(-1).tolist()
 
 
 def test_fixed_buffers_that_misplace_positions_are_found_out(model, monkeypatch, caplog):
@@ -175,6 +207,6 @@ def test_decode_attention_swaps_sdpa_for_the_pass_and_restores_it_on_error(model
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is grouped_attention and model.config._attn_implementation == "sdpa"
         raise RuntimeError("inside the pass")
 
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before and "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping  # none left behind
     with decode_attention(SimpleNamespace(_attn_implementation="eager")):
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before  # another implementation: nothing swapped

@@ -162,7 +162,7 @@ def decode(forward, proposer, prompts: list[list[int]], max_new_tokens: int, k: 
         for p in prompts:
             first = len(timed_proposer.calls)
             speculative_decode(timed_forward, timed_proposer, p, max_new_tokens, k, eos_ids)
-            del timed_proposer.calls[first]  # the round over the prompt, as the prompt's pass is left out
+            del timed_proposer.calls[first : first + 1]  # the round over the prompt (if any), as the prompt's pass is left out
     tokens = sum(len(r.tokens) for r in runs)
     row = {
         "outputs": [r.tokens for r in runs],

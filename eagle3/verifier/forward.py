@@ -79,7 +79,6 @@ def decode_matmuls(device: torch.device):
         torch.backends.cuda.preferred_blas_library(before)
 
 
-@contextlib.contextmanager
 def decode_attention(config=None):
     """The attention kernels for a pass of a few queries over fixed KV buffers. Scaled-dot-product
     attention runs PyTorch's math backend (matmuls and a softmax): its fused float32 kernel
@@ -87,19 +86,27 @@ def decode_attention(config=None):
     layer for SmolLM2's shape over 600 positions against math's 23 (`bench/decode_kernels.py`), half
     of a graphed verifier pass. For a model whose `config` runs transformers' sdpa attention,
     `grouped_attention` stands in for it (the name stays "sdpa": models that branch on it keep their
-    path). Set around each pass (a CUDA graph replays what its capture ran) and undone after."""
-    grouped = getattr(config, "_attn_implementation", None) == "sdpa"
-    had_entry = "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping  # transformers' table: our entry goes again after
+    path). Set around each pass (a CUDA graph replays what its capture ran) and undone after; the
+    draft's compiled steps, which pass no config, trace the math backend's context alone."""
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return sdpa_kernel([SDPBackend.MATH])
+    return _grouped_in_place_of_sdpa()
+
+
+@contextlib.contextmanager
+def _grouped_in_place_of_sdpa():
+    """`grouped_attention` as transformers' "sdpa" entry (a local one in its table, removed again
+    after, or the one there before put back), with the math backend for what it hands on."""
+    had_entry = "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping
     previous = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if grouped:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = grouped_attention
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = grouped_attention
     try:
         with sdpa_kernel([SDPBackend.MATH]):
             yield
     finally:
-        if grouped and had_entry:
+        if had_entry:
             ALL_ATTENTION_FUNCTIONS["sdpa"] = previous
-        elif grouped:
+        else:
             del ALL_ATTENTION_FUNCTIONS["sdpa"]
 
 

@@ -8,7 +8,9 @@ The package bundles `ShareGPT_V3_unfiltered_cleaned_split.json`, the file EAGLE'
 from, cut off mid-record at 120 MiB, so a plain `json.load` fails: records are decoded one by one
 after the opening `[` and only complete ones are kept (17,671 conversations, ~2 s). Turns before
 the first human turn are dropped (a third of the conversations open with the model's answer),
-system turns kept; a conversation with no human turn is skipped. Every drop is counted by reason.
+system turns kept; a conversation with no human turn, or an empty one (after any cut), is skipped.
+Every drop is counted by reason; a record that does not decode in a file whose array is closed is
+damage, not the cut-off, and stops the read naming it.
 Ids repeat in the source (a long conversation was split into parts under one id), so a repeat
 gets `#<n>` appended: answers are kept by id. Output: JSONL, OpenAI `messages` per record.
 
@@ -19,7 +21,7 @@ are generated and then cut off. `--first-user-turns N` keeps a conversation's op
 `--max-user-turns` and `--max-user-chars` skip the conversations whose user turns, after that cut,
 do not fit such a budget (a third of them has four or more; the longest paste whole documents);
 the skipped ones are counted as drops. Of the bundled file, `--max-user-turns 3 --max-user-chars 2000`
-keeps 8,248 conversations; `--first-user-turns 3 --max-user-chars 2000` keeps 14,952 (6,704 of them cut).
+keeps 8,236 conversations; `--first-user-turns 3 --max-user-chars 2000` keeps 14,897 (6,661 of them cut).
 
 Licence: ShareGPT's conversations carry no clear licence. Train on the prompts only: with
 `regenerate.enabled=true` the verifier writes every answer, and the ones in the file are unused.
@@ -33,6 +35,7 @@ import re
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from itertools import count
 from pathlib import Path
 from typing import cast
 
@@ -61,16 +64,24 @@ def bundled_sharegpt() -> Path:
 
 
 def _complete_records(path: Path, drops: Counter) -> Iterator[dict]:
-    """The JSON objects of a top-level array, one by one, up to the first incomplete one."""
+    """The JSON objects of a top-level array, one by one, up to the first incomplete one.
+
+    Raises:
+        ArtifactError: a record does not decode although the array is closed: damage, not a cut-off.
+    """
     text = path.read_text(encoding="utf-8")
     if not text.lstrip().startswith("["):
         raise ArtifactError(path, "expected a JSON array of conversations")
     decoder, at = json.JSONDecoder(), text.index("[") + 1
     # _BETWEEN matches at any position (the empty string at least), so match() never returns None here.
-    while (at := cast(re.Match[str], _BETWEEN.match(text, at)).end()) < len(text) and text[at] != "]":
+    for index in count():
+        if (at := cast(re.Match[str], _BETWEEN.match(text, at)).end()) >= len(text) or text[at] == "]":
+            return
         try:
             record, at = decoder.raw_decode(text, at)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as exc:
+            if text.rstrip().endswith("]"):
+                raise ArtifactError(path, f"record {index}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
             drops["cut_off_at_end_of_file"] += 1
             return
         yield record
@@ -78,10 +89,7 @@ def _complete_records(path: Path, drops: Counter) -> Iterator[dict]:
 
 def _messages(record: dict) -> list[dict[str, str]]:
     """The conversation from its first human turn on (system turns kept), as OpenAI messages."""
-    messages = [
-        {"role": _ROLES.get(str(t.get("from", "")).lower(), "unknown"), "content": t.get("value")}
-        for t in record.get("conversations") or []
-    ]
+    messages = [{"role": _ROLES.get(str(t.get("from", "")).lower(), "unknown"), "content": t.get("value")} for t in record["conversations"]]
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     if first_user is None:
         return []
@@ -92,10 +100,14 @@ def read_sharegpt(path: Path) -> tuple[list[dict], Counter]:
     """The usable conversations of a ShareGPT file (`{"id", "messages"}` each) and the drops by reason."""
     drops: Counter = Counter()
     records: list[dict] = []
-    seen: Counter[str] = Counter()
+    taken: set[str] = set()
+    repeats: Counter[str] = Counter()  # per source id: the last `#<n>` given
     for record in _complete_records(path, drops):
         if not isinstance(record, dict) or not record.get("conversations"):
             drops["no_conversation"] += 1
+            continue
+        if not isinstance(record["conversations"], list) or not all(isinstance(t, dict) for t in record["conversations"]):
+            drops["unreadable_turn"] += 1
             continue
         messages = _messages(record)
         if not messages:
@@ -104,10 +116,11 @@ def read_sharegpt(path: Path) -> tuple[list[dict], Counter]:
         if any(m["role"] == "unknown" or not isinstance(m["content"], str) for m in messages):
             drops["unreadable_turn"] += 1
             continue
-        record_id = str(record.get("id", len(records)))
-        seen[record_id] += 1
-        if seen[record_id] > 1:
-            record_id = f"{record_id}#{seen[record_id]}"
+        base = record_id = str(record.get("id", len(records)))
+        while record_id in taken:  # a repeat gets the first free `#<n>`: a source id may itself end in one
+            repeats[base] = max(repeats[base], 1) + 1
+            record_id = f"{base}#{repeats[base]}"
+        taken.add(record_id)
         records.append({"id": record_id, "messages": messages})
     return records, drops
 
@@ -141,6 +154,8 @@ def write_sharegpt_jsonl(
             drops["over_max_user_turns"] += 1
         elif max_user_chars is not None and sum(map(len, users)) > max_user_chars:
             drops["over_max_user_chars"] += 1
+        elif not all(u.strip() for u in users):  # nothing to answer: the verifier would be asked an empty turn
+            drops["empty_user_turn"] += 1
         else:
             kept.append(record)
     records = kept[:max_records]

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from eagle3.data.prepare_dataset import read_user_turns
-from eagle3.data.sharegpt import bundled_sharegpt, main, read_sharegpt
+from eagle3.data.sharegpt import bundled_sharegpt, main, read_sharegpt, write_sharegpt_jsonl
+from eagle3.store.artifacts import ArtifactError
 
 
 def test_a_file_cut_off_mid_record_keeps_its_complete_records_from_their_first_human_turn(tmp_path):
@@ -48,16 +49,16 @@ def test_a_file_cut_off_mid_record_keeps_its_complete_records_from_their_first_h
 
 
 @pytest.mark.slow
-def test_the_bundled_sharegpt_v3_gives_17397_conversations_every_one_with_a_prompt(tmp_path, capsys):
+def test_the_bundled_sharegpt_v3_gives_17328_conversations_every_one_with_a_prompt(tmp_path, capsys):
     out = tmp_path / "sharegpt.jsonl"
 
     assert main([str(out)]) == 0
 
-    assert "17397 conversations" in capsys.readouterr().out
+    assert "17328 conversations" in capsys.readouterr().out
     records = [json.loads(line) for line in out.read_text().split("\n") if line]  # not splitlines: texts hold U+2028
-    assert len(records) == 17397 and len({r["id"] for r in records}) == 17397
+    assert len(records) == 17328 and len({r["id"] for r in records}) == 17328
     assert all(next(m["role"] for m in r["messages"] if m["role"] != "system") == "user" for r in records)
-    assert len(read_user_turns(out, None)) == 17397  # what regeneration asks the verifier
+    assert len(read_user_turns(out, None)) == 17328  # what regeneration asks the verifier
     assert bundled_sharegpt().stat().st_size == 125_509_632  # the package's copy, cut off mid-record
 
 
@@ -118,3 +119,45 @@ def test_first_user_turns_below_one_is_refused(tmp_path, capsys):
         main([str(tmp_path / "out.jsonl"), "--first-user-turns", "0"])
 
     assert "--first-user-turns: must be at least 1" in capsys.readouterr().err
+
+
+def test_turns_that_are_no_objects_are_counted_as_unreadable_not_raised(tmp_path):
+    source = tmp_path / "sharegpt.json"
+    good = {"id": "ok", "conversations": [{"from": "human", "value": "Hi"}]}
+    source.write_text(json.dumps([{"id": "s", "conversations": ["hello"]}, {"id": "t", "conversations": "hello"}, good]))
+
+    kept, drops = read_sharegpt(source)
+
+    assert [r["id"] for r in kept] == ["ok"]
+    assert drops == {"unreadable_turn": 2}
+
+
+def test_a_damaged_record_in_a_closed_array_is_an_error_naming_it_not_a_cut_off(tmp_path):
+    source = tmp_path / "sharegpt.json"
+    records = [json.dumps({"id": str(i), "conversations": [{"from": "human", "value": "Hi"}]}) for i in range(5)]
+    records[3] = records[3].replace('"Hi"', '"Hi')  # an unterminated string, mid-file
+    source.write_text("[" + ", ".join(records) + "]")
+
+    with pytest.raises(ArtifactError, match=r"sharegpt.json: record 3: not valid JSON"):
+        read_sharegpt(source)
+
+
+def test_repeated_ids_get_the_first_free_suffix_even_where_the_source_has_one(tmp_path):
+    source = tmp_path / "sharegpt.json"
+    turn = [{"from": "human", "value": "Hi"}]
+    source.write_text(json.dumps([{"id": i, "conversations": turn} for i in ["a", "a", "a#2", "a"]]))
+
+    kept, _ = read_sharegpt(source)
+
+    assert [r["id"] for r in kept] == ["a", "a#2", "a#2#2", "a#3"]
+
+
+def test_conversations_with_an_empty_user_turn_are_dropped_after_the_cut(tmp_path):
+    source, out = tmp_path / "sharegpt.json", tmp_path / "out.jsonl"
+    human = [{"from": "human", "value": v} for v in ["Hi", "  ", "Again"]]
+    source.write_text(json.dumps([{"id": "late", "conversations": human}, {"id": "early", "conversations": human[1:]}]))
+
+    kept, drops = write_sharegpt_jsonl(source, out, first_user_turns=1)
+
+    assert kept == 1 and [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["late"]
+    assert drops == {"empty_user_turn": 1, "cut_to_first_user_turns": 1}

@@ -16,6 +16,9 @@ LLAMA3 = (
     "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
+THINKING = CHATML.replace(  # DeepSeek-R1's way: the generation prompt opens a thinking block rendered answers lack
+    "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}"
+)
 GENERATION = (
     "{% for message in messages %}{% if message['role'] == 'assistant' %}<|im_start|>assistant\n"
     "{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}\n"

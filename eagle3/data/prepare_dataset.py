@@ -7,7 +7,8 @@ derived from the rendered template, so it works for any template:
 
 - templates with `{% generation %}` markers: the tokenizer's own assistant mask;
 - otherwise: the characters each assistant turn adds to the rendering (its text after the
-  generation prompt, up to and including its end-of-turn marker), mapped to tokens by offsets.
+  generation prompt, or after as much of it as the rendering shares, up to and including its
+  end-of-turn marker), mapped to tokens by offsets.
 
 Output (`data-NNNNN.parquet`): `input_ids`, `loss_mask`, `seq_len`, `record_id`; and
 `token_freq.parquet` (`token_id`, `count`) over supervised positions. Tokenization is the cost:
@@ -111,13 +112,37 @@ def read_records(path: Path) -> Iterator[tuple[int, Any]]:
                 raise ArtifactError(path, f"record {i} (line {i + 1}): not valid JSON ({exc.msg} at column {exc.colno})") from exc
 
 
+def _record_id(record: dict, index: int, fields: tuple[str, ...] = ("id",)) -> str:
+    """The record's id: the first of `fields` it has, not null; else its index."""
+    return str(next((record[f] for f in fields if record.get(f) is not None), index))
+
+
+def _prompt_turns(path: Path, index: int, record: dict) -> tuple[list[dict[str, str]], list[str], list[str]] | None:
+    """(system messages, user turns, each user turn's field) of a prompt-shaped record: `prompt`,
+    GSM8K `question` or MT-bench `turns`, the first present; None if it has none of them."""
+    field = next((f for f in ("prompt", "question", "turns") if f in record), None)
+    if field is None:
+        return None
+    if field != "turns":
+        turns, names = [record[field]], [field]
+    elif isinstance(record["turns"], list) and record["turns"]:
+        turns, names = record["turns"], [f"turns[{t}]" for t in range(len(record["turns"]))]
+    else:
+        raise ArtifactError(path, f"record {index}: field 'turns' must be a non-empty list of strings")
+    for turn, name in zip(turns, names):
+        if not isinstance(turn, str):
+            raise ArtifactError(path, f"record {index}: field '{name}' must be a string, not {type(turn).__name__}")
+    return [], list(turns), names
+
+
 def read_user_turns(path: Path, limit: int | None) -> list[Record]:
     """(record id, system messages, user turns) per record, from any prompt shape: `prompt`, GSM8K
     `question`, MT-bench `turns`, or the user turns of `messages`/`conversations`.
 
     Raises:
-        ArtifactError: a record has no user turn, or shares its id (`id`, `question_id`, else its
-            index) with an earlier one: answers are kept by id, so one would silently replace the other.
+        ArtifactError: a record has no user turn, an empty one, a prompt field of the wrong type, or
+            shares its id (`id`, `question_id`, else its index) with an earlier one: answers are kept
+            by id, so one would silently replace the other.
     """
     out: list[Record] = []
     first_with_id: dict[str, int] = {}
@@ -126,7 +151,7 @@ def read_user_turns(path: Path, limit: int | None) -> list[Record]:
             break
         if not isinstance(record, dict):
             raise ArtifactError(path, f"record {index}: expected a JSON object")
-        record_id = str(record.get("id", record.get("question_id", index)))
+        record_id = _record_id(record, index, ("id", "question_id"))
         if record_id in first_with_id:
             raise ArtifactError(
                 path,
@@ -134,23 +159,23 @@ def read_user_turns(path: Path, limit: int | None) -> list[Record]:
                 "answers are kept by id, so ids must be unique",
             )
         first_with_id[record_id] = index
-        if isinstance(record.get("prompt"), str):
-            out.append((record_id, [], [record["prompt"]]))
-        elif isinstance(record.get("question"), str):  # GSM8K
-            out.append((record_id, [], [record["question"]]))
-        elif isinstance(record.get("turns"), list) and all(isinstance(t, str) for t in record["turns"]):
-            out.append((record_id, [], list(record["turns"])))
+        if (asked := _prompt_turns(path, index, record)) is not None:
+            system, users, names = asked
         elif "messages" in record or "conversations" in record:
             _, messages = _normalise(path, index, record)
+            field, role_key, text_key = ("messages", "role", "content") if "messages" in record else ("conversations", "from", "value")
             users = [m["content"] for m in messages if m["role"] == "user"]
+            names = [f"{field}[{t}].{text_key}" for t, m in enumerate(messages) if m["role"] == "user"]
             if not users:
-                role_key = "role" if "messages" in record else "from"
                 raise ArtifactError(path, f"record {index} (id {record_id!r}): field '{role_key}': no user turn to answer")
-            out.append((record_id, [m for m in messages if m["role"] == "system"], users))
+            system = [m for m in messages if m["role"] == "system"]
         else:
             raise ArtifactError(
                 path, f"record {index}: no prompt field: expected 'prompt', 'question', 'turns', 'messages' or 'conversations'"
             )
+        if (empty := next((name for name, turn in zip(names, users) if not turn.strip()), None)) is not None:
+            raise ArtifactError(path, f"record {index} (id {record_id!r}): field '{empty}' is empty: no question to answer")
+        out.append((record_id, system, users))
     return out
 
 
@@ -158,7 +183,7 @@ def _normalise(path: Path, index: int, record: Any) -> tuple[str, list[dict[str,
     where = f"record {index}"
     if not isinstance(record, dict):
         raise ArtifactError(path, f"{where}: expected a JSON object, got {type(record).__name__}")
-    record_id = str(record.get("id", index))
+    record_id = _record_id(record, index)
     where = f"record {index} (id {record_id!r})"
     if "messages" in record:
         field, role_key, text_key = "messages", "role", "content"
@@ -197,6 +222,10 @@ def _render(tokenizer, messages, **kw) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, **kw)
 
 
+def _shared_length(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def build_loss_mask(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and a 0/1 mask that is 1 on assistant tokens."""
     if "{% generation %}" in (tokenizer.chat_template or "") or "{%- generation %}" in (tokenizer.chat_template or ""):
@@ -208,7 +237,9 @@ def build_loss_mask(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(_render(tokenizer, messages[:i], add_generation_prompt=True))
+        # Where the rendering leaves the generation prompt: a thinking model's prompt may open a
+        # `<think>` block its rendered answers do not hold (DeepSeek-R1's), and those characters are the answer's.
+        start = _shared_length(_render(tokenizer, messages[:i], add_generation_prompt=True), text)
         end = len(_render(tokenizer, messages[: i + 1]).rstrip())
         if not text.startswith(_render(tokenizer, messages[: i + 1]).rstrip()):
             raise ValueError("the chat template does not render conversations prefix-consistently")
@@ -255,12 +286,12 @@ def prepare_dataset(cfg: DatasetConfig, source: Path, tokenizer, store: Artifact
                 ids, mask = build_loss_mask(tokenizer, messages)
             except (ValueError, TemplateError) as exc:  # e.g. a template that needs alternating roles
                 raise ArtifactError(source, f"record id {record_id!r}: field 'messages': {exc}") from exc
-            if len(ids) > cfg.max_seq_len:
-                ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
-                num_truncated += 1
+            truncated = len(ids) > cfg.max_seq_len
+            ids, mask = ids[: cfg.max_seq_len], mask[: cfg.max_seq_len]
             if not any(mask):
                 dropped["no_supervised_token"] += 1
                 continue
+            num_truncated += truncated
             freq.update(t for t, m in zip(ids, mask) if m)
             rows["input_ids"].append(ids)
             rows["loss_mask"].append(mask)

@@ -35,7 +35,6 @@ Cost: one decode per generated token.
 from __future__ import annotations
 
 import logging
-import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -75,8 +74,6 @@ from eagle3.verifier.resolve_verifier import VerifierManifest, verifier_tokenize
 __all__ = ["RegeneratedManifest", "regenerate", "regenerate_provenance", "regenerated_conversations"]
 
 logger = logging.getLogger(__name__)
-
-_THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
 class RegeneratedManifest(ArtifactManifest):
@@ -127,9 +124,20 @@ def _generate(model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig,
 
 
 def _answer_text(content: str, reasoning: str | None, strip_thinking: bool) -> str:
+    """The answer to train on. Stripped, everything up to the last `</think>` is thinking (a template
+    whose generation prompt opens the block leaves only its close in a server's content), and an
+    answer whose thinking never closed (cut off by `max_new_tokens`) has none: ''."""
     if strip_thinking:
-        return _THINK.sub("", content).strip()
+        if "</think>" in content:
+            return content.rsplit("</think>", 1)[1].strip()
+        return "" if "<think>" in content else content.strip()
     return (f"<think>\n{reasoning}\n</think>\n\n{content}" if reasoning else content).strip()
+
+
+def _opens_thinking(tokenizer, prompt_ids: list[int]) -> bool:
+    """Whether a generation prompt ends in an open `<think>` (DeepSeek-R1's template): the answer then
+    starts inside the block, and is read with the opening put back."""
+    return tokenizer.decode(prompt_ids[-8:]).rstrip().endswith("<think>")
 
 
 def _finished(record_id: str, messages: list[dict], reasons: list[str], tokens: int) -> dict:
@@ -156,7 +164,8 @@ def _answer_batch(model, tokenizer, batch: list[Record], cfg: RegenerateConfig, 
         if not prompts:
             continue
         for b, (new, reason) in zip(prompts, _generate(model, tokenizer, list(prompts.values()), cfg, device)):
-            text = _answer_text(tokenizer.decode(new, skip_special_tokens=True), None, cfg.strip_thinking)
+            opened = "<think>\n" if _opens_thinking(tokenizer, prompts[b]) else ""
+            text = _answer_text(opened + tokenizer.decode(new, skip_special_tokens=True), None, cfg.strip_thinking)
             if not text:
                 failed[b] = f"empty answer at turn {turn}"
                 continue
@@ -271,10 +280,10 @@ def _regenerate_on(
 
 
 def _shares(todo: list[Record], batch_size: int, workers: int) -> list[list[Record]]:
-    """`todo` dealt to `workers` a batch at a time, in the order one attempt sorts it (shortest prompt
-    first): each worker's attempt then forms the very batches one worker would, so greedy answers
-    are those of a one-device run."""
-    ordered = sorted(todo, key=lambda r: len(r[2][0]))
+    """`todo` dealt to `workers` a batch at a time, in the order one attempt sorts it (`batch_order`):
+    each worker's attempt then forms the very batches one worker would, so greedy answers are those
+    of a one-device run."""
+    ordered = batch_order(todo)
     batches = [ordered[start : start + batch_size] for start in range(0, len(ordered), batch_size)]
     return [[r for batch in batches[w::workers] for r in batch] for w in range(workers)]
 

@@ -35,9 +35,9 @@ class StepCode:
 
 STEPS: dict[str, StepCode] = {
     "verifier": StepCode(1, ("torch", "transformers", "gguf")),  # a GGUF file's dequantized HF directory
-    "regenerated": StepCode(1, ("torch", "transformers")),
-    "regenerated/openai": StepCode(1),
-    "dataset": StepCode(1, ("tokenizers", "transformers")),
+    "regenerated": StepCode(2, ("torch", "transformers")),  # 2: thinking a template opened is stripped; batches as one worker's
+    "regenerated/openai": StepCode(2),  # 2: thinking a template opened is stripped from the content
+    "dataset": StepCode(2, ("tokenizers", "transformers")),  # 2: answers after a generation prompt's <think>; truncations counted once
     "hidden_states": StepCode(1, ("torch", "transformers")),  # shard keys too: re-extracting is the cost this table avoids
     "hidden_states/vllm": StepCode(1),
     "hidden_states/vllm-engine": StepCode(1, engine_libraries=("vllm", "torch")),  # vLLM's engine in the step, in its own environment

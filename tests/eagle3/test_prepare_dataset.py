@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from conftest import write_jsonl
-from tiny_models import CHATML, GENERATION, LLAMA3, tiny_tokenizer
+from tiny_models import CHATML, GENERATION, LLAMA3, THINKING, tiny_tokenizer
 
 from eagle3.config import DatasetConfig
 from eagle3.data.prepare_dataset import DatasetManifest, build_loss_mask, prepare_dataset, read_conversations
@@ -35,8 +35,9 @@ CONVERSATION = [
         (CHATML, "Hello there<|im_end|>Sure<|im_end|>"),
         (LLAMA3, "Hello there<|eot_id|>Sure<|eot_id|>"),
         (GENERATION, "Hello there<|im_end|>Sure<|im_end|>"),
+        (THINKING, "Hello there<|im_end|>Sure<|im_end|>"),
     ],
-    ids=["chatml", "llama3", "generation-markers"],
+    ids=["chatml", "llama3", "generation-markers", "thinking-prompt"],
 )
 def template_case(request):
     template, supervised = request.param
@@ -149,12 +150,12 @@ def test_prepare_drops_and_counts_unsupervised_records_and_truncates(tmp_path, c
 
     assert manifest.dropped == {"no_assistant_turn": 1, "no_supervised_token": 1}
     assert manifest.num_records == 2
-    assert manifest.num_truncated == 2
+    assert manifest.num_truncated == 1  # the record truncated to no answer at all counts as dropped only
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == [
         f"{path}: 1 record(s) dropped, no_assistant_turn: set regenerate.enabled=true to have the verifier answer user-only records",
         f"{path}: 1 record(s) dropped, no_supervised_token: raise dataset.max_seq_len: truncation cut off every assistant token",
-        f"{path}: 2 record(s) truncated to dataset.max_seq_len=64 tokens",
+        f"{path}: 1 record(s) truncated to dataset.max_seq_len=64 tokens",
     ]
     table = pq.read_table(manifest.path / manifest.files[0])
     assert table.column("seq_len").to_pylist() == [64, len(table.column("input_ids")[1])]

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import CLAIM_WAIT_S, free_port, run_while_another_run_holds_the_step, work_dir_path, write_jsonl
-from tiny_models import CHATML, tiny_llama
+from tiny_models import CHATML, THINKING, tiny_llama
 from vllm_server import ServerFront
 
 from eagle3.config import EndpointConfig, RegenerateConfig, VerifierConfig
@@ -20,6 +20,7 @@ from eagle3.data.regenerate import (
     RegeneratedManifest,
     _answer_batch,
     _answer_text,
+    _shares,
     _transformers_attempt,
     batch_order,
     records_named,
@@ -100,6 +101,34 @@ def test_a_malformed_turn_in_a_prompt_file_names_file_record_and_field(tmp_path,
         read_user_turns(path, None)
 
 
+@pytest.mark.parametrize(
+    "record, field",
+    [
+        ({"prompt": 5}, r"field 'prompt' must be a string, not int"),
+        ({"question": ["a"]}, r"field 'question' must be a string, not list"),
+        ({"turns": ["a", 7]}, r"field 'turns\[1\]' must be a string, not int"),
+        ({"turns": []}, r"field 'turns' must be a non-empty list of strings"),
+        ({"prompt": "  "}, r"\(id '0'\): field 'prompt' is empty"),
+        ({"turns": ["a", ""]}, r"\(id '0'\): field 'turns\[1\]' is empty"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": ""}]},
+            r"\(id '0'\): field 'messages\[2\]\.content' is empty",
+        ),
+    ],
+)
+def test_a_prompt_field_of_the_wrong_type_or_empty_is_named(tmp_path, record, field):
+    path = write_jsonl(tmp_path / "p.jsonl", [record])
+
+    with pytest.raises(ArtifactError, match=rf"p\.jsonl: record 0.*{field}"):
+        read_user_turns(path, None)
+
+
+def test_a_null_id_falls_back_to_the_records_index(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"id": None, "prompt": "a"}, {"id": None, "question_id": 7, "prompt": "b"}])
+
+    assert [record_id for record_id, _, _ in read_user_turns(path, None)] == ["0", "7"]
+
+
 def test_a_repeated_id_names_both_records(tmp_path):
     # The third record has no id: its index, 2, is the second record's id.
     path = write_jsonl(tmp_path / "dup.jsonl", [{"id": "x", "prompt": "a"}, {"id": "2", "prompt": "b"}, {"prompt": "c"}])
@@ -163,6 +192,28 @@ def test_a_record_whose_first_answer_is_empty_fails_alone_and_its_later_turns_ar
     entries = _answer_batch(model, tokenizer, [("81", [], turns), ("b", [], ["Name a colour."])], CFG, "cpu")
 
     assert entries == [{"id": "81", "failed": "empty answer at turn 0"}, {"id": "b", "failed": "empty answer at turn 0"}]
+
+
+def test_an_answer_that_starts_inside_a_thinking_block_the_template_opened_is_read_with_its_opening(tmp_path):
+    """A random model never closes the block the template opened: stripped, nothing is left to train on."""
+    path = tiny_llama(tmp_path / "thinking", template=THINKING)
+    tokenizer, model = load_tokenizer(path), load_text_model(path, torch.float32, "cpu")
+    batch = [("r", [], ["Hi"])]
+
+    stripped = _answer_batch(model, tokenizer, batch, CFG, "cpu")
+    kept = _answer_batch(model, tokenizer, batch, CFG.model_copy(update={"strip_thinking": False}), "cpu")
+
+    assert stripped == [{"id": "r", "failed": "empty answer at turn 0"}]
+    assert kept[0]["messages"][1]["content"].startswith("<think>\n")
+
+
+def test_workers_are_dealt_the_batches_one_worker_would_form():
+    records = [(f"{turns}-{length}", [], ["a" * length] * turns) for turns in (1, 2) for length in (4, 3, 2, 1)]
+    one = [r[0] for r in batch_order(records)]
+
+    shares = _shares(records, 2, 2)
+
+    assert [[r[0] for r in share] for share in shares] == [one[0:2] + one[4:6], one[2:4] + one[6:8]]
 
 
 def test_a_record_the_chat_template_refuses_fails_alone_with_the_reason(tmp_path):
@@ -523,6 +574,8 @@ def test_an_unreachable_server_stops_the_step_and_keeps_finished_records(verifie
 
 def test_thinking_is_stripped_or_kept_from_the_answer_and_a_servers_reasoning_field():
     assert _answer_text("<think>\nplan\n</think>\n\nFour.", None, strip_thinking=True) == "Four."
+    assert _answer_text("plan opened by the template\n</think>\n\nFour.", None, strip_thinking=True) == "Four."
+    assert _answer_text("<think>\nplan cut off by max_new_tok", None, strip_thinking=True) == ""
     assert _answer_text("<think>plan</think>Four.", None, strip_thinking=False) == "<think>plan</think>Four."
     assert _answer_text("Four.", "plan", strip_thinking=True) == "Four."
     assert _answer_text("Four.", "plan", strip_thinking=False) == "<think>\nplan\n</think>\n\nFour."

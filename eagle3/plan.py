@@ -27,7 +27,7 @@ from eagle3.config import ConfigError, PipelineConfig
 from eagle3.data.prepare_dataset import dataset_source, read_conversations, read_user_turns
 from eagle3.extraction.storage import bytes_per_token, per_token_arithmetic
 from eagle3.runtime.devices import device_type, gpu_memory_bytes, host_gpu_ids
-from eagle3.store.artifacts import digest_tree
+from eagle3.store.artifacts import digest_tree, memo_tag
 from eagle3.verifier import placement
 from eagle3.verifier.loading import load_tokenizer, read_config, text_config
 from eagle3.verifier.resolve_verifier import verifier_source
@@ -323,12 +323,12 @@ def _dataset_tokens(config: PipelineConfig, source: Path) -> tuple[int, int, str
 def _known_digest(store_dir: Path, source: Path) -> str | None:
     """The verifier's digest as the store memoised it when a run last read its files (no weights read
     here); None where a file was never hashed in this store, or changed since."""
-    memo_path = store_dir / "file-digests.json"  # written by ArtifactStore.input_digest: path -> size:mtime tag, sha256
+    memo_path = store_dir / "file-digests.json"  # written by ArtifactStore.input_digest: path -> memo_tag, sha256
     memo = json.loads(memo_path.read_text()) if memo_path.is_file() else {}
 
     def memoised(path: Path) -> str:
         stat, entry = path.stat(), memo.get(str(path))
-        if not entry or entry["tag"] != f"{stat.st_size}:{stat.st_mtime_ns}":
+        if not entry or entry["tag"] != memo_tag(stat):
             raise KeyError(path)
         return entry["sha256"]
 

@@ -7,7 +7,7 @@ Layout under the store root:
     locks/                         a lock file per work directory or hidden-state shard in use (or left by a killed run)
     published/<kind>-<key>         the digest of the artifact published for a step's provenance key
     compile-cache/                 torch.compile's cache for GPU training (TORCHINDUCTOR_CACHE_DIR)
-    file-digests.json              memo of streamed file digests by (path, size, mtime)
+    file-digests.json              memo of streamed file digests by path (memo_tag: size, times, inode)
 
 An artifact's digest is the sha256 over its files' relative paths and contents, so two runs
 that produce the same bytes share one directory. Publishing is a rename of a finished work
@@ -51,6 +51,7 @@ __all__ = [
     "artifact_damage",
     "digest_tree",
     "log_reuse",
+    "memo_tag",
     "read_manifest_record",
     "step_provenance",
 ]
@@ -76,6 +77,13 @@ class ArtifactError(RuntimeError):
 
 def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def memo_tag(stat: os.stat_result) -> str:
+    """What a memoised file digest is valid for: size, mtime, ctime and inode. A new copy that keeps
+    the old timestamp (`cp -p`, `rsync -a`, `tar x`) still has a new ctime, which no user sets, or
+    a new inode."""
+    return f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_ino}"
 
 
 def digest_tree(root: Path, file_digest=digest_file) -> str:
@@ -213,7 +221,7 @@ class ArtifactStore:
         return self.root / "artifacts" / digest
 
     def input_digest(self, path: Path) -> str:
-        """Streamed content digest of an input file or directory, memoised by (size, mtime_ns)."""
+        """Streamed content digest of an input file or directory, memoised by `memo_tag`."""
         path = Path(path).resolve()
         if path.is_dir():
             return digest_tree(path, self._memo_digest)
@@ -223,7 +231,7 @@ class ArtifactStore:
         stat = path.stat()
         memo_path = self.root / "file-digests.json"
         memo = self._read_memo(memo_path)
-        tag = f"{stat.st_size}:{stat.st_mtime_ns}"
+        tag = memo_tag(stat)
         entry = memo.get(str(path))
         if entry and entry["tag"] == tag:
             return entry["sha256"]

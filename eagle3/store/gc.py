@@ -1,8 +1,9 @@
 """Garbage collection: drop artifacts and shards that none of the latest N runs reached.
 
 Each finished run records what it reached (`eagle3.store.runs`). The best promoted checkpoint under
-each comparison key, its evaluation and its verifier are kept however old: they are what gets
-served and what `eagle3 promoted` lists. A flow holds a shared lock on `gc.lock` while it runs;
+each comparison key, its evaluation, its verifier and the draft it was exported from are kept
+however old: they are what gets served, what `eagle3 promoted` lists and what a warm start
+(`train.init_from=previous`) continues from. A flow holds a shared lock on `gc.lock` while it runs;
 gc takes it exclusively, so it never deletes under a running flow (it refuses instead of waiting).
 Unfinished work directories (`work/`) are kept: they are what a killed run resumes from. Files
 an extracting server left in `served-states/` (requests that timed out and were retried) go: with
@@ -17,7 +18,7 @@ from contextlib import AbstractContextManager
 
 from eagle3.runtime.locks import exclusive_if_free, shared
 from eagle3.store.artifacts import PUBLISHED, SERVED_STATES, ArtifactError, ArtifactStore
-from eagle3.store.promotions import promoted_checkpoints
+from eagle3.store.promotions import promoted_checkpoints, promoted_drafts
 from eagle3.store.runs import replay_file, run_records
 
 __all__ = ["collect_garbage", "store_in_use"]
@@ -50,6 +51,7 @@ def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False)
             live_shards.update(entry["shards"])
         for best in promoted_checkpoints(store):  # and the verifier a served checkpoint names
             live_artifacts.update((best.checkpoint, best.evaluation, best.key.verifier))
+        live_artifacts.update(promoted_drafts(store))  # what the next warm start continues from
         doomed = [p for p in (store.root / "artifacts").iterdir() if p.name not in live_artifacts]
         shard_root = store.root / "shards"
         if shard_root.exists():

@@ -7,7 +7,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["MANIFEST", "ArtifactManifest", "Producer", "Provenance", "manifest_types"]
 
@@ -36,7 +36,10 @@ class Producer(BaseModel):
 
 
 class ArtifactManifest(Provenance):
-    """What a step hands on: where its output is and what shaped it. Never tensors."""
+    """What a step hands on: where its output is and what shaped it. Never tensors. A NaN (a
+    diverged validation loss) is written as NaN, not null, so the manifest reads back."""
+
+    model_config = ConfigDict(ser_json_inf_nan="constants")
 
     kind: str
     digest: str = ""

@@ -7,6 +7,7 @@ torch nor the steps that measure.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -18,8 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from eagle3.config import EvalConfig
 from eagle3.figures import with_error
 from eagle3.runtime.locks import exclusive
-from eagle3.store.artifacts import ArtifactError, ArtifactStore
+from eagle3.store.artifacts import ArtifactError, ArtifactStore, read_manifest_record
 from eagle3.store.files import atomic_write_text
+from eagle3.store.manifests import MANIFEST
 
 __all__ = [
     "PROMOTIONS",
@@ -27,12 +29,14 @@ __all__ = [
     "PromotionRecord",
     "best_promoted",
     "promoted_checkpoints",
+    "promoted_drafts",
     "promotions_held",
     "read_promotions",
     "record_promotion",
 ]
 
 PROMOTIONS = "promotions"
+logger = logging.getLogger(__name__)
 
 
 class ComparisonKey(BaseModel):
@@ -133,6 +137,19 @@ def promoted_checkpoints(store: ArtifactStore) -> list[PromotionRecord]:
     keys = dict.fromkeys(r.key for r in records if r.promoted)
     # Each key is some promoted record's, so best_promoted finds one for it.
     return sorted((cast(PromotionRecord, best_promoted(records, key)) for key in keys), key=lambda r: r.recorded_at)
+
+
+def promoted_drafts(store: ArtifactStore) -> set[str]:
+    """Digests of the drafts the promoted checkpoints were exported from (a checkpoint's `draft`
+    parent): what a warm start prefers and gc keeps. A damaged checkpoint manifest names none."""
+    drafts = set()
+    for best in promoted_checkpoints(store):
+        if (path := store.artifact_dir(best.checkpoint) / MANIFEST).exists():
+            try:
+                drafts.add(read_manifest_record(path).get("parents", {}).get("draft"))
+            except ArtifactError as exc:
+                logger.warning("%s", str(exc).splitlines()[0])
+    return drafts - {None}
 
 
 @contextmanager

@@ -49,7 +49,7 @@ from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.store.artifacts import ArtifactError, ArtifactStore, read_manifest_record, step_provenance
 from eagle3.store.files import atomic_write_text
 from eagle3.store.manifests import MANIFEST, ArtifactManifest, Provenance
-from eagle3.store.promotions import promoted_checkpoints
+from eagle3.store.promotions import promoted_drafts
 from eagle3.store.verify import remove_damaged, verify_shards
 from eagle3.training import train_timing
 from eagle3.training.epochs import best_epoch, epoch_summaries
@@ -95,8 +95,8 @@ class DraftManifest(ArtifactManifest):
 def previous_draft(
     store: ArtifactStore, cfg: TrainConfig, verifier: VerifierManifest, hidden_states: HiddenStatesManifest, dataset: DatasetManifest
 ) -> DraftManifest | None:
-    """The draft to continue from: of the finished drafts trained for this verifier, aux layers and
-    `cfg.num_layers` on a dataset other than `dataset`, the latest one behind a promoted checkpoint,
+    """The draft to continue from: of the finished drafts trained for this verifier, aux layers,
+    `cfg.num_layers` and `cfg.fc_norm` on a dataset other than `dataset`, the latest one behind a promoted checkpoint,
     else the latest one (so a smoke run does not displace the draft being served); None when the
     store holds none."""
     candidates = []
@@ -113,14 +113,11 @@ def previous_draft(
             draft.parents.get("verifier") == verifier.digest
             and draft.aux_layer_ids == hidden_states.aux_layer_ids
             and draft.config.get("cfg", {}).get("num_layers") == cfg.num_layers
+            and draft.config.get("cfg", {}).get("fc_norm", False) == cfg.fc_norm  # in the key only when set
             and draft.parents.get("dataset") != dataset.digest
         ):
             candidates.append(draft)
-    promoted = {
-        json.loads(path.read_text())["parents"].get("draft")
-        for record in promoted_checkpoints(store)
-        if (path := store.artifact_dir(record.checkpoint) / MANIFEST).exists()
-    }
+    promoted = promoted_drafts(store)
     return max(candidates, key=lambda d: (d.digest in promoted, d.finished_at), default=None)
 
 

@@ -81,14 +81,15 @@ def test_gc_keeps_the_draft_a_kept_run_warm_started_from_but_not_its_ancestry(tm
     assert not old_data.path.exists()
 
 
-def test_gc_keeps_the_best_promoted_checkpoint_its_evaluation_and_its_verifier_however_old(tmp_path):
+def test_gc_keeps_the_best_promoted_checkpoint_its_evaluation_verifier_and_draft_however_old(tmp_path):
     from eagle3.config import PromotionConfig
     from eagle3.evaluation.promotion import promote
 
     store = ArtifactStore(tmp_path)
     old_verifier = publish_text_artifact(store, "verifier", "dequantized last month", {})
-    best = publish_evaluation(store, "best", {3: 2.0}, verifier=old_verifier.digest)
-    unpromoted = publish_evaluation(store, "worse", {3: 1.5}, verifier=old_verifier.digest)
+    served, worse = (publish_text_artifact(store, "draft", name, {}) for name in ("served draft", "worse draft"))
+    best = publish_evaluation(store, "best", {3: 2.0}, verifier=old_verifier.digest, draft=served.digest)
+    unpromoted = publish_evaluation(store, "worse", {3: 1.5}, verifier=old_verifier.digest, draft=worse.digest)
     other = publish_evaluation(store, "other verifier", {3: 1.7})
     for run, evaluation in (("run-1", best), ("run-2", unpromoted), ("run-3", other)):
         promote(PromotionConfig(), evaluation, store, run)
@@ -97,5 +98,6 @@ def test_gc_keeps_the_best_promoted_checkpoint_its_evaluation_and_its_verifier_h
     collect_garbage(store, keep_runs=1)
 
     assert best.path.exists() and store.artifact_dir(best.parents["checkpoint"]).exists() and old_verifier.path.exists()
+    assert served.path.exists() and not worse.path.exists()  # a warm start continues from the served draft
     assert not unpromoted.path.exists() and not store.artifact_dir(unpromoted.parents["checkpoint"]).exists()
     assert other.path.exists()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
 
 import pytest
 from conftest import publish_text_artifact
@@ -17,6 +19,7 @@ from eagle3.store.artifacts import ArtifactError, ArtifactStore, artifact_damage
 from eagle3.store.lineage import lineage
 from eagle3.store.manifests import MANIFEST, ArtifactManifest, Provenance
 from eagle3.store.verify import remove_damaged, verify_store
+from eagle3.training.train import DraftManifest
 
 
 def _shard(store: ArtifactStore, key: str, files: dict[str, bytes]):
@@ -111,6 +114,35 @@ def test_a_damaged_file_digest_memo_is_rebuilt_not_fatal(tmp_path, caplog):
     assert digest == hashlib.sha256(source.read_bytes()).hexdigest()
     assert "file-digests.json: unreadable" in caplog.text
     assert str(source) in json.loads((store.root / "file-digests.json").read_text())
+
+
+def test_an_input_copied_over_with_its_old_size_and_timestamp_is_hashed_again(tmp_path):
+    """What `cp -p`, `rsync -a` and `tar x` leave: other bytes, the same size and mtime."""
+    store = ArtifactStore(tmp_path / "store")
+    source = tmp_path / "conversations.jsonl"
+    source.write_text('{"id": 1}\n')
+    before = store.input_digest(source)
+    stamp = source.stat().st_mtime_ns
+
+    source.write_text('{"id": 2}\n')
+    os.utime(source, ns=(stamp, stamp))
+
+    assert store.input_digest(source) != before
+    assert store.input_digest(source) == hashlib.sha256(source.read_bytes()).hexdigest()
+
+
+def test_a_manifest_holding_nan_reads_back_as_published(tmp_path):
+    """A diverged validation loss is NaN: written as null it no longer read as a number, and the
+    draft was trained again on every run."""
+    store = ArtifactStore(tmp_path)
+    provenance = Provenance(config={"lr": 1e8})
+    with store.step_work_dir(DraftManifest, provenance) as (work, _):
+        (work / "weights.txt").write_text("diverged")
+        store.publish(work, DraftManifest(**provenance.model_dump(), path=work, epochs=[{"val_loss": math.nan}], num_steps=1, tau_sim=1.0))
+
+    found = store.published(DraftManifest, provenance)
+
+    assert found is not None and math.isnan(found.epochs[0]["val_loss"])
 
 
 def test_verify_store_finds_each_damaged_artifact_and_shard_and_nothing_else(tmp_path):

@@ -34,7 +34,7 @@ from eagle3.evaluation.promotion import promote
 from eagle3.extraction.extract_hidden_states import extract_hidden_states
 from eagle3.runtime.faults import FAULT_OOM_ENV
 from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
-from eagle3.store.manifests import Provenance
+from eagle3.store.manifests import MANIFEST, Provenance
 from eagle3.training import trainer_compat
 from eagle3.training.epochs import simulated_acceptance_length
 from eagle3.training.export import export_checkpoint, validate_checkpoint
@@ -283,6 +283,7 @@ def test_previous_draft_is_the_latest_for_this_verifier_and_shape_trained_on_oth
     assert found is not None and found.parents["dataset"] == dataset.digest and found.finished_at >= draft.finished_at
     assert previous_draft(store, TRAIN, verifier, hidden, dataset) is None  # none was trained on other data
     assert previous_draft(store, TRAIN.model_copy(update={"num_layers": 2}), verifier, hidden, grown) is None
+    assert previous_draft(store, TRAIN.model_copy(update={"fc_norm": True}), verifier, hidden, grown) is None  # other norms
     assert previous_draft(store, TRAIN, verifier, hidden.model_copy(update={"aux_layer_ids": [0, 1, 2]}), grown) is None
 
 
@@ -321,14 +322,12 @@ def test_previous_draft_prefers_the_latest_draft_behind_a_promoted_checkpoint(in
     smoke = trained("smoke test", "2" * 64, datetime(2026, 11, 2, tzinfo=UTC))
     assert previous_draft(store, TRAIN, verifier, hidden, dataset).digest == smoke.digest  # nothing promoted: the latest
 
-    promote(
-        PromotionConfig(),
-        publish_evaluation(store, "served checkpoint", {3: 2.0}, verifier=verifier.digest, draft=served.digest),
-        store,
-        "run",
-    )
+    evaluation = publish_evaluation(store, "served checkpoint", {3: 2.0}, verifier=verifier.digest, draft=served.digest)
+    promote(PromotionConfig(), evaluation, store, "run")
 
     assert previous_draft(store, TRAIN, verifier, hidden, dataset).digest == served.digest
+    (store.artifact_dir(evaluation.parents["checkpoint"]) / MANIFEST).write_text('{"parents": {"dra')  # cut short
+    assert previous_draft(store, TRAIN, verifier, hidden, dataset).digest == smoke.digest  # it names no draft now
 
 
 def test_previous_draft_passes_over_an_artifact_whose_manifest_is_damaged(inputs, tmp_path, caplog):

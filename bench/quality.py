@@ -302,14 +302,20 @@ def eval_row(evaluation: dict, baseline: dict | None) -> dict:
 def speeds(evaluation: dict) -> dict:
     """Tokens/s of plain greedy decoding and of each method at each k, and the draft's speed-up
     over greedy: all decoded at batch 1 on the same verifier forward (CUDA graphs on a GPU)."""
-    greedy = evaluation.get("greedy_tokens_per_s")
-    if not greedy:  # not measured (the vllm backend)
+    from eagle3.evaluation.evaluate import EvalManifest
+
+    manifest = EvalManifest.model_validate(evaluation)
+    if not manifest.greedy_tokens_per_s:  # not measured (the vllm backend)
         return {}
-    rows = [r for r in evaluation["results"] if r.get("tokens_per_s")]
+    rows = [r for r in manifest.results if r.get("tokens_per_s")]
     return {
-        "greedy_tok_s": round(greedy, 1),
+        "greedy_tok_s": round(manifest.greedy_tokens_per_s, 1),
         **{f"{r['method']}_k{r['k']}_tok_s": round(r["tokens_per_s"], 1) for r in rows},
-        **{f"eagle3_k{r['k']}_speedup": round(r["tokens_per_s"] / greedy, 2) for r in rows if r["method"] == "eagle3"},
+        **{
+            f"eagle3_k{r['k']}_speedup": round(speed_up, 2)
+            for r in rows
+            if r["method"] == "eagle3" and (speed_up := manifest.speed_up(r["tokens_per_s"])) is not None
+        },
     }
 
 

@@ -194,7 +194,8 @@ def _promoted(args) -> int:
         key = record.key
         print(
             f"tau {record.tau:.3f} at k={key.k} (verifier {key.verifier[:12]}, eval prompts {key.prompts[:12]} x{key.num_prompts}, "
-            f"max_new_tokens {key.max_new_tokens}; run {record.run_id}): {record.checkpoint_path}"
+            f"max_new_tokens {key.max_new_tokens}, {key.backend}{'' if key.backend == 'vllm' else f' {key.dtype}'}; "
+            f"run {record.run_id}): {record.checkpoint_path}"
         )
     return 0
 
@@ -377,11 +378,15 @@ def _print_evaluation(result) -> None:
         line = f"  {r['method']:>6} k={r['k']}: tau {with_error(r['tau'], r['tau_standard_error'])}"
         if r["method"] == "eagle3" and (gain := gains.get(r["k"])) and gain["gain"] is not None:
             line += f", {with_error(gain['gain'], gain['standard_error'], signed=True)} over n-gram"
-        if greedy and r.get("tokens_per_s"):
-            line += f"; {r['tokens_per_s']:.1f} tok/s, {r['tokens_per_s'] / greedy:.2f}x plain greedy"
+        if (speed_up := evaluation.speed_up(r.get("tokens_per_s"))) is not None:
+            line += f"; {r['tokens_per_s']:.1f} tok/s, {speed_up:.2f}x plain greedy"
+        elif r.get("tokens_per_s"):
+            line += f"; {r['tokens_per_s']:.1f} tok/s"
         print(line)
     if greedy:
-        print(f"  plain greedy: {greedy:.1f} tok/s (batch 1, {evaluation.measured_on})")
+        greedy_on = evaluation.greedy_measured_on or evaluation.measured_on
+        elsewhere = "" if greedy_on == evaluation.measured_on else f"; the draft on {evaluation.measured_on}: no speed-up across the two"
+        print(f"  plain greedy: {greedy:.1f} tok/s (batch 1, {greedy_on}{elsewhere})")
     if evaluation.draft_token_accuracy is not None:
         print(f"draft's first-token accuracy on these outputs, per token as in validation: {evaluation.draft_token_accuracy:.3f}")
     if evaluation.draft_vocab_coverage is not None:

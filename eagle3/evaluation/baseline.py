@@ -208,9 +208,14 @@ def _measured_here(done: dict, measured_on: str, done_log: Path) -> dict:
 def decode_remaining(num_prompts: int, forward, done: dict, done_log: Path, desc: str, decode) -> dict:
     """Entries for all `num_prompts` prompts: those in `done` decoded on the device and with the kind
     of `forward` (`eagle3.verifier.forward`), and `decode(i)` (a dict of figures) for each other
-    prompt i, appended to `done_log` as it finishes."""
+    prompt i, appended to `done_log` as it finishes. With CUDA graphs, the first prompt to decode is
+    decoded once untimed before: greedy's passes are recorded by the forward's probe, and the other
+    pass lengths and draft rounds would otherwise be recorded inside the timed decodes, slowing the
+    draft's and n-gram's tokens/s against greedy's."""
     name = f"{device_name(forward.device)}; {forward.kind}"
     done = _measured_here(done, name, done_log)
+    if forward.graphs and (todo := [i for i in range(num_prompts) if i not in done]):
+        decode(todo[0])  # untimed: the CUDA graphs of every pass and round shape, recorded on first use, not timed with a prompt
     with open(done_log, "a") as log, tqdm(total=num_prompts, initial=len(done), desc=desc, unit="prompt") as bar:
         for i in range(num_prompts):
             if i not in done:

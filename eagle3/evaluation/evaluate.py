@@ -74,7 +74,16 @@ class EvalManifest(ArtifactManifest):
     draft_token_accuracy: float | None = None  # teacher-forced step-0 accuracy on the greedy outputs (None: backend 'vllm')
     draft_vocab_coverage: float | None = None  # share of those drafted tokens inside the draft vocabulary (None: backend 'vllm')
     measured_on: str | None = None  # the device and verifier forward of the draft's decodes (None: backend 'vllm')
+    greedy_measured_on: str | None = None  # those of plain greedy's, the baselines' (a cached one may be another GPU's)
     gains_over_ngram: list[dict] | None = None  # per k: draft tau minus n-gram tau, paired standard error (None: backend 'vllm')
+
+    def speed_up(self, tokens_per_s: float | None) -> float | None:
+        """`tokens_per_s` over plain greedy's; None where either is unmeasured or the two were decoded
+        on different devices or verifier forwards, whose ratio is no speed-up (an evaluation from
+        before `greedy_measured_on` was recorded is taken at its word)."""
+        if not (tokens_per_s and self.greedy_tokens_per_s) or self.greedy_measured_on not in (None, self.measured_on):
+            return None
+        return tokens_per_s / self.greedy_tokens_per_s
 
     def counts(self, method: str, k: int) -> Counts | None:
         """Each prompt's (tokens, verifier passes) with `method` at k (None: not measured, or backend 'vllm')."""
@@ -113,6 +122,7 @@ class _Measured:
     draft_token_accuracy: float | None = None
     draft_vocab_coverage: float | None = None
     measured_on: str | None = None
+    greedy_measured_on: str | None = None
     gains_over_ngram: list[dict] | None = None
     per_prompt: dict[str, dict[int, list]] | None = None  # method -> k -> (tokens, passes) of each prompt
 
@@ -203,6 +213,7 @@ def _summarize(cfg: EvalConfig, entries: list[dict], references: list[list[int]]
         draft_token_accuracy=draft.draft_token_accuracy,
         draft_vocab_coverage=draft.draft_vocab_coverage,
         measured_on=entries[0]["measured_on"],
+        greedy_measured_on=baselines.measured_on,
         gains_over_ngram=draft.gains_over_ngram,
         per_prompt={"eagle3": draft.counts, "ngram": ngram},
     )
@@ -308,6 +319,7 @@ def evaluate(
                 draft_token_accuracy=measured.draft_token_accuracy,
                 draft_vocab_coverage=measured.draft_vocab_coverage,
                 measured_on=measured.measured_on,
+                greedy_measured_on=measured.greedy_measured_on,
                 gains_over_ngram=measured.gains_over_ngram,
                 seconds=clock(),
             ),

@@ -48,8 +48,8 @@ STEPS: dict[str, StepCode] = {
         1, ("torch", "transformers", "speculators")
     ),  # the verifier's states computed in training: no hidden-state artifact
     "checkpoint": StepCode(1, ("torch", "speculators")),
-    "baseline": StepCode(2, ("torch", "transformers")),  # 2: one device read a pass, grouped decode attention: new speeds
-    "evaluation": StepCode(2, ("torch", "transformers", "speculators")),  # 2: as baseline's 2, which its speed-ups divide by
+    "baseline": StepCode(3, ("torch", "transformers")),  # 3: an untimed first decode records the graphs: new speeds
+    "evaluation": StepCode(3, ("torch", "transformers", "speculators")),  # 3: as baseline's 3; records greedy_measured_on
     "evaluation/vllm": StepCode(1),
 }
 

@@ -161,6 +161,7 @@ class DynamicForward:
     """Any verifier, eagerly, on transformers' `DynamicCache`."""
 
     kind = "transformers' dynamic KV cache"  # what decoding speeds are measured with
+    graphs = False  # records no CUDA graphs (StaticForward's on a GPU)
 
     def __init__(self, model, capture: HiddenStateCapture | None):
         self.model, self.capture = model, capture

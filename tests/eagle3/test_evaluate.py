@@ -5,6 +5,7 @@ import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -489,6 +490,42 @@ def test_a_killed_baselines_run_resumes_at_its_first_undecoded_prompt(exported, 
     assert resumed.greedy_tokens_per_s < resumed.num_tokens / 1000.0  # the first prompt's logged decode was kept
     assert sorted(p.name for p in resumed.path.iterdir()) == ["manifest.json", "per_prompt.json", "reference.json"]
     assert not (store.root / "work" / f"baseline-{provenance.key[:24]}").exists()  # the log went with the work dir
+
+
+def test_a_speed_up_is_only_over_greedy_decoded_on_the_same_device_and_forward(tmp_path):
+    on_h100 = EvalManifest(
+        path=tmp_path,
+        num_prompts=1,
+        num_tokens=10,
+        tau_sim=2.0,
+        results=[],
+        greedy_tokens_per_s=100.0,
+        mismatches=0,
+        measured_on="H100; graphs",
+        greedy_measured_on="H100; graphs",
+    )
+
+    assert on_h100.speed_up(180.0) == 1.8 and on_h100.speed_up(None) is None
+    assert on_h100.model_copy(update={"greedy_measured_on": "H200; graphs"}).speed_up(180.0) is None  # a cached baseline's GPU
+    assert on_h100.model_copy(update={"greedy_measured_on": None}).speed_up(180.0) == 1.8  # recorded before the field was
+
+
+@pytest.mark.parametrize("graphs, decoded", [(True, [1, 1, 2]), (False, [1, 2])])
+def test_with_cuda_graphs_the_first_prompt_to_decode_is_decoded_once_untimed_before_the_timed_ones(tmp_path, graphs, decoded):
+    """Graphs recorded on first use would be timed with the prompt that meets them: the draft's rounds
+    and pass lengths, not greedy's one-token pass, which the forward's probe records."""
+    forward = SimpleNamespace(device=torch.device("cpu"), kind="a forward", graphs=graphs)
+    calls: list[int] = []
+    logged = {0: {"id": 0, "measured_on": f"{baseline.device_name(forward.device)}; a forward", "seconds": 1.0}}  # resumed
+
+    def decode(i: int) -> dict:
+        calls.append(i)
+        return {"seconds": 1.0}
+
+    done = baseline.decode_remaining(3, forward, logged, tmp_path / DONE_LOG, "test", decode)
+
+    assert calls == decoded and sorted(done) == [0, 1, 2]
+    assert [json.loads(line)["id"] for line in (tmp_path / DONE_LOG).read_text().splitlines()] == [1, 2]  # each once
 
 
 def test_baselines_with_every_prompt_logged_claim_no_gpu_and_publish_the_logged_figures(exported, two_prompts, baseline_entries):

@@ -257,13 +257,16 @@ def test_eagle3_promoted_prints_the_best_checkpoint_per_eval_set(tmp_path, capsy
     promote(DEFAULT, publish_evaluation(store, "first", {3: 2.0}), store, "run-1")
     best = promote(DEFAULT, publish_evaluation(store, "better", {3: 2.5}), store, "run-2")
     other = promote(DEFAULT, publish_evaluation(store, "elsewhere", {3: 1.5}, prompts="f" * 64), store, "run-3")
+    half = promote(DEFAULT, publish_evaluation(store, "in bfloat16", {3: 1.9}, dtype="bfloat16"), store, "run-4")
 
     assert main(["promoted", "--store", str(tmp_path)]) == 0
 
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert lines[0].startswith("tau 2.500 at k=3") and lines[0].endswith(str(best.checkpoint_path))
     assert lines[1].startswith("tau 1.500 at k=3") and lines[1].endswith(str(other.checkpoint_path))
+    assert lines[2].startswith("tau 1.900 at k=3") and lines[2].endswith(str(half.checkpoint_path))
+    assert "transformers float32;" in lines[0] and "transformers bfloat16;" in lines[2]  # another comparison key, said so
 
 
 def test_a_draft_that_does_not_beat_ngram_lookup_is_not_promoted_even_as_the_first(tmp_path):

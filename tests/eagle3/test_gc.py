@@ -27,6 +27,22 @@ def test_gc_removes_only_what_the_kept_runs_did_not_reach(tmp_path):
     assert sorted((store.root / "runs").iterdir()) == [kept, kept.with_suffix(".yaml")]  # a run's record and its replay file go together
 
 
+def test_gc_keeps_what_a_run_killed_since_the_oldest_kept_run_published_until_a_later_run_passes_it(tmp_path):
+    """A run is recorded when it finishes: a killed one's finished steps are in no record, and its
+    re-run reuses them."""
+    store = ArtifactStore(tmp_path)
+    served = publish_text_artifact(store, "draft", "served", {})
+    record_run(store, "run-1", [served.digest])
+    killed = publish_text_artifact(store, "hidden_states", "extracted, then the run was killed", {})
+
+    collect_garbage(store, keep_runs=1)
+    assert killed.path.exists()
+
+    record_run(store, "run-2", [served.digest])  # a later run that did not reuse them
+    collect_garbage(store, keep_runs=1)
+    assert not killed.path.exists() and served.path.exists()
+
+
 def test_gc_removes_states_files_an_extracting_server_left_behind(tmp_path):
     store = ArtifactStore(tmp_path)
     record_run(store, "run-1", [publish_text_artifact(store, "draft", "kept", {}).digest])

@@ -82,9 +82,18 @@ class Plan(BaseModel):
     seconds: float = 0.0
 
     @property
+    def states_bytes(self) -> int | None:
+        """The dataset's hidden states on disk (None: not estimated, or none stored)."""
+        if self.dataset_tokens is None or self.hidden_state_storage == "online":
+            return None
+        return self.dataset_tokens * self.hidden_state_bytes_per_token
+
+    @property
     def fits(self) -> bool:
-        """Whether every step that runs the verifier on GPUs fits the GPUs it claims."""
-        return all(step.fits for step in self.steps)
+        """Whether every step that runs the verifier on GPUs fits the GPUs it claims, and the hidden
+        states the store's free disk (where both are known)."""
+        disk = self.states_bytes is None or self.store_free_bytes is None or self.states_bytes <= self.store_free_bytes
+        return disk and all(step.fits for step in self.steps)
 
     def render(self) -> str:
         """The plan as `eagle3 plan` prints it."""
@@ -124,8 +133,7 @@ class Plan(BaseModel):
             lines.append("  none stored (train.hidden_states=online): the verifier computes them in training, every epoch")
         else:
             lines.append(f"  size        {per_token_arithmetic(self.hidden_size, self.hidden_state_storage)}")
-        if self.dataset_tokens is not None and self.hidden_state_storage != "online":
-            total = self.dataset_tokens * self.hidden_state_bytes_per_token
+        if (total := self.states_bytes) is not None:
             lines.append(
                 f"  dataset     {self.dataset_records:,} records, {self.dataset_tokens:,} tokens ({self.tokens_from}): {_size(total)}"
             )
@@ -434,6 +442,14 @@ def make_plan(config: PipelineConfig, costs: bool = True) -> Plan:
     return plan
 
 
+def _running_steps(config: PipelineConfig) -> set[str]:
+    """The verifier's steps this run reaches (`stop_after` ends it early: a staged run on a host whose
+    GPUs hold one stage at a time is checked stage by stage)."""
+    return (
+        {"regenerate"} | ({"extract"} if config.stop_after != "dataset" else set()) | ({"evaluate"} if config.stop_after is None else set())
+    )
+
+
 def check_verifier_fits(config: PipelineConfig) -> None:
     """Fail a run whose verifier cannot fit the GPUs a step claims for it, before any step loads it.
 
@@ -444,15 +460,16 @@ def check_verifier_fits(config: PipelineConfig) -> None:
         ConfigError: a step's verifier does not fit; the message holds the whole plan.
     """
     source = verifier_source(config.verifier)
-    devices = [config.extract.device] if config.extract.backend == "transformers" else []
+    running = _running_steps(config)
+    devices = [config.extract.device] if "extract" in running and config.extract.backend == "transformers" else []
     devices += [config.regenerate.device] if config.regenerate.enabled and config.regenerate.backend == "transformers" else []
-    devices += [config.evaluate.device] if config.evaluate.backend == "transformers" else []
+    devices += [config.evaluate.device] if "evaluate" in running and config.evaluate.backend == "transformers" else []
     if source.suffix == ".gguf" or not any(_on_gpus(device, config) for device in devices):
         return
     plan = make_plan(config, costs=False)
-    if plan.fits:
+    failing = ", ".join(f"{step.step} ({step.how})" for step in plan.steps if not step.fits and step.step in running)
+    if not failing:
         return
-    failing = ", ".join(f"{step.step} ({step.how})" for step in plan.steps if not step.fits)
     raise ConfigError(
         f"verifier.path '{source}' does not fit the GPUs its steps claim: {failing}. Raise verifier.num_gpus, or run those steps "
         "on a vLLM server (regenerate.backend=openai, extract.backend=vllm or vllm-engine, evaluate.backend=vllm); "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import struct
@@ -210,7 +211,9 @@ def _dataset(config: PipelineConfig) -> list[Problem]:
     trained = int(records * ratio)
     if 1 <= trained < records:
         return []
-    needed = next(n for n in range(2, 10_000) if 1 <= int(n * ratio) < n)
+    needed = max(2, math.ceil(1 / ratio))  # the fewest records that keep one for training (and, ratio < 1, one to validate)
+    while int(needed * ratio) < 1:  # 1 / ratio rounded down in floating point
+        needed += 1
     cut = f" (of {count}: dataset.max_records or regenerate.max_records)" if records < count else ""
     return [
         ArtifactError(

@@ -91,6 +91,9 @@ def test_the_dataset_s_hidden_states_are_sized_against_the_store_s_free_disk(tmp
     assert 0 < plan.store_free_bytes <= shutil.disk_usage(tmp_path).total
     text = plan.render()
     assert f"{plan.dataset_tokens * 32_768 / 1e9:,.1f} GB" in text and "free: fits" in text
+    assert plan.fits
+    full = plan.model_copy(update={"store_free_bytes": plan.states_bytes - 1})
+    assert not full.fits and "free: DOES NOT FIT" in full.render()  # `eagle3 plan` exits 1
 
 
 def test_a_measured_extraction_in_the_store_gives_the_extraction_time(tiny_verifier, tmp_path):
@@ -172,6 +175,19 @@ def test_a_run_whose_verifier_cannot_fit_its_gpus_fails_before_loading_with_the_
         ConfigError, match=r"(?s)does not fit the GPUs its steps claim: extract \(needs 21 GPU\(s\), 8 claimed.*hidden states"
     ):
         check_verifier_fits(config)
+
+
+def test_a_staged_run_is_checked_only_for_the_steps_it_reaches(tmp_path, needs_kimi):
+    """Extraction and evaluation in the step do not fit 8 H200s; a run that stops after the dataset
+    does neither, one that stops after the hidden states extracts."""
+    staged = [f"verifier.path={KIMI}", f"store_dir={tmp_path / 'store'}", *ON_8_H200, "extract.device=cuda", "evaluate.device=cuda"]
+
+    check_verifier_fits(load_config(None, [*staged, "stop_after=dataset"]))
+    with pytest.raises(ConfigError, match=r"its steps claim: extract \(needs 21 GPU") as refused:
+        check_verifier_fits(load_config(None, [*staged, "stop_after=hidden_states"]))
+    assert "evaluate (needs" not in str(refused.value)  # not reached
+    with pytest.raises(ConfigError, match=r"its steps claim: extract \(needs 21 GPU.*evaluate \(needs"):
+        check_verifier_fits(load_config(None, staged))
 
 
 def test_the_flow_checks_the_fit_before_its_first_step(tmp_path, needs_kimi):

@@ -46,6 +46,7 @@ def _broken_copy(verifier: Path, out: Path) -> Path:
     [
         "a .parquet file that is not parquet",
         "a one-record dataset",
+        "a training share too small for any record",
         "truncated verifier weights",
         "a .gguf file that is not GGUF",
         "store_dir naming a file",
@@ -65,6 +66,11 @@ def test_bad_input_is_named_in_one_line_before_prefect_starts(what, run_args, ti
             f"dataset.path={bad / 'one.jsonl'}",
             r"one\.jsonl: 1 record\(s\) to use: train\.train_data_ratio=0\.9 splits them 0 for "
             r"training and 1 for validation, and each needs at least one\. Give at least 2 records",
+        ),
+        "a training share too small for any record": (
+            "train.train_data_ratio=0.00001",
+            r"train\.train_data_ratio=1e-05 splits them 0 for training and \d+ for validation, and each needs at least "
+            r"one\. Give at least 100000 records",
         ),
         "truncated verifier weights": (
             f"verifier.path={bad / 'verifier'}",

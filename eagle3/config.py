@@ -682,7 +682,16 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as exc:
-        where = f"--config '{path}'" if path else "overrides"
-        # A whole-config check (loc ()) names its fields in its message.
-        problems = "; ".join(": ".join(filter(None, [".".join(map(str, e["loc"])), e["msg"]])) for e in exc.errors())
-        raise ConfigError(f"{where}: {problems}") from exc
+        overridden = [tuple(item.partition("=")[0].strip().split(".")) for item in overrides]
+
+        def where(loc: tuple[str, ...]) -> str:
+            """Whose value failed: an override's where one set it (or a key inside or above it), else the file's."""
+            if not path or (loc and any(loc[: len(key)] == key or key[: len(loc)] == loc for key in overridden)):
+                return "overrides"
+            return f"--config '{path}'"
+
+        by_source: dict[str, list[str]] = {}
+        for e in exc.errors():
+            loc = tuple(map(str, e["loc"]))  # () for a whole-config check, which names its fields in its message
+            by_source.setdefault(where(loc), []).append(": ".join(filter(None, [".".join(loc), e["msg"]])))
+        raise ConfigError("; ".join(f"{source}: {'; '.join(problems)}" for source, problems in by_source.items())) from exc

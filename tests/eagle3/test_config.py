@@ -45,6 +45,19 @@ def test_unreadable_yaml_names_the_file(tmp_path):
         load_config(path)
 
 
+def test_each_invalid_value_is_blamed_on_the_file_or_the_override_that_set_it(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lrx: 0.001\n  lr: 0.001\n")
+
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["train.epochs=0", "evaluate.typo=1"])
+
+    assert str(err.value) == (
+        "overrides: train.epochs: Input should be greater than or equal to 1; evaluate.typo: Extra inputs are not permitted; "
+        f"--config '{path}': train.lrx: Extra inputs are not permitted"
+    )
+
+
 def test_num_gpus_is_keyed_only_where_training_runs_on_cuda():
     """It sets the global batch under torchrun; CPU training ignores it, so changing it must not retrain."""
     on_cpu = [output_affecting(TrainConfig(device="cpu", num_gpus=n)) for n in (1, 4)]

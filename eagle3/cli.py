@@ -384,9 +384,10 @@ def _print_evaluation(result) -> None:
             line += f"; {r['tokens_per_s']:.1f} tok/s"
         print(line)
     if greedy:
-        greedy_on = evaluation.greedy_measured_on or evaluation.measured_on
-        elsewhere = "" if greedy_on == evaluation.measured_on else f"; the draft on {evaluation.measured_on}: no speed-up across the two"
-        print(f"  plain greedy: {greedy:.1f} tok/s (batch 1, {greedy_on}{elsewhere})")
+        elsewhere = (
+            "" if evaluation.greedy_on == evaluation.measured_on else f"; the draft on {evaluation.measured_on}: no speed-up across the two"
+        )
+        print(f"  plain greedy: {greedy:.1f} tok/s (batch 1, {evaluation.greedy_on}{elsewhere})")
     if evaluation.draft_token_accuracy is not None:
         print(f"draft's first-token accuracy on these outputs, per token as in validation: {evaluation.draft_token_accuracy:.3f}")
     if evaluation.draft_vocab_coverage is not None:

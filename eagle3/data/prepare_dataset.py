@@ -67,6 +67,7 @@ DROP_FIXES = {
     "no_supervised_token": "raise dataset.max_seq_len: truncation cut off every assistant token",
 }
 Record = tuple[str, list[dict[str, str]], list[str]]  # (id, system messages, user turns)
+TURN_KEYS = {"messages": ("role", "content"), "conversations": ("from", "value")}  # a conversation's field: its turns' keys
 
 
 class DatasetManifest(ArtifactManifest):
@@ -163,7 +164,8 @@ def read_user_turns(path: Path, limit: int | None) -> list[Record]:
             system, users, names = asked
         elif "messages" in record or "conversations" in record:
             _, messages = _normalise(path, index, record)
-            field, role_key, text_key = ("messages", "role", "content") if "messages" in record else ("conversations", "from", "value")
+            field = next(f for f in TURN_KEYS if f in record)
+            role_key, text_key = TURN_KEYS[field]
             users = [m["content"] for m in messages if m["role"] == "user"]
             names = [f"{field}[{t}].{text_key}" for t, m in enumerate(messages) if m["role"] == "user"]
             if not users:
@@ -185,12 +187,10 @@ def _normalise(path: Path, index: int, record: Any) -> tuple[str, list[dict[str,
         raise ArtifactError(path, f"{where}: expected a JSON object, got {type(record).__name__}")
     record_id = _record_id(record, index)
     where = f"record {index} (id {record_id!r})"
-    if "messages" in record:
-        field, role_key, text_key = "messages", "role", "content"
-    elif "conversations" in record:
-        field, role_key, text_key = "conversations", "from", "value"
-    else:
+    field = next((f for f in TURN_KEYS if f in record), None)
+    if field is None:
         raise ArtifactError(path, f"{where}: field 'messages' (or ShareGPT 'conversations') is missing; found {sorted(record)}")
+    role_key, text_key = TURN_KEYS[field]
     turns = record[field]
     if not isinstance(turns, list) or not turns:
         raise ArtifactError(path, f"{where}: field '{field}' must be a non-empty list of turns")

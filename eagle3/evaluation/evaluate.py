@@ -77,11 +77,16 @@ class EvalManifest(ArtifactManifest):
     greedy_measured_on: str | None = None  # those of plain greedy's, the baselines' (a cached one may be another GPU's)
     gains_over_ngram: list[dict] | None = None  # per k: draft tau minus n-gram tau, paired standard error (None: backend 'vllm')
 
+    @property
+    def greedy_on(self) -> str | None:
+        """Where plain greedy was decoded (an evaluation from before `greedy_measured_on` was
+        recorded is taken at its word: where the draft was)."""
+        return self.greedy_measured_on or self.measured_on
+
     def speed_up(self, tokens_per_s: float | None) -> float | None:
         """`tokens_per_s` over plain greedy's; None where either is unmeasured or the two were decoded
-        on different devices or verifier forwards, whose ratio is no speed-up (an evaluation from
-        before `greedy_measured_on` was recorded is taken at its word)."""
-        if not (tokens_per_s and self.greedy_tokens_per_s) or self.greedy_measured_on not in (None, self.measured_on):
+        on different devices or verifier forwards, whose ratio is no speed-up."""
+        if not (tokens_per_s and self.greedy_tokens_per_s) or self.greedy_on != self.measured_on:
             return None
         return tokens_per_s / self.greedy_tokens_per_s
 

@@ -61,9 +61,10 @@ def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False)
             entry = json.loads(record.read_text())
             live_artifacts.update(entry["artifacts"])
             live_shards.update(entry["shards"])
-        for best in promoted_checkpoints(store):  # and the verifier a served checkpoint names
+        best_records = promoted_checkpoints(store)
+        for best in best_records:  # and the verifier a served checkpoint names
             live_artifacts.update((best.checkpoint, best.evaluation, best.key.verifier))
-        live_artifacts.update(promoted_drafts(store))  # what the next warm start continues from
+        live_artifacts.update(promoted_drafts(store, best_records))  # what the next warm start continues from
         doomed = [p for p in (store.root / "artifacts").iterdir() if p.name not in live_artifacts and _finished_at(p, MANIFEST) <= since]
         shard_root = store.root / "shards"
         if shard_root.exists():

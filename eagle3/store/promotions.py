@@ -139,11 +139,12 @@ def promoted_checkpoints(store: ArtifactStore) -> list[PromotionRecord]:
     return sorted((cast(PromotionRecord, best_promoted(records, key)) for key in keys), key=lambda r: r.recorded_at)
 
 
-def promoted_drafts(store: ArtifactStore) -> set[str]:
-    """Digests of the drafts the promoted checkpoints were exported from (a checkpoint's `draft`
-    parent): what a warm start prefers and gc keeps. A damaged checkpoint manifest names none."""
+def promoted_drafts(store: ArtifactStore, best_records: list[PromotionRecord]) -> set[str]:
+    """Digests of the drafts the promoted checkpoints of `best_records` (`promoted_checkpoints`) were
+    exported from (a checkpoint's `draft` parent): what a warm start prefers and gc keeps. A damaged
+    checkpoint manifest names none."""
     drafts = set()
-    for best in promoted_checkpoints(store):
+    for best in best_records:
         if (path := store.artifact_dir(best.checkpoint) / MANIFEST).exists():
             try:
                 drafts.add(read_manifest_record(path).get("parents", {}).get("draft"))

@@ -49,7 +49,7 @@ from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.store.artifacts import ArtifactError, ArtifactStore, read_manifest_record, step_provenance
 from eagle3.store.files import atomic_write_text
 from eagle3.store.manifests import MANIFEST, ArtifactManifest, Provenance
-from eagle3.store.promotions import promoted_drafts
+from eagle3.store.promotions import promoted_checkpoints, promoted_drafts
 from eagle3.store.verify import remove_damaged, verify_shards
 from eagle3.training import train_timing
 from eagle3.training.epochs import best_epoch, epoch_summaries
@@ -117,7 +117,7 @@ def previous_draft(
             and draft.parents.get("dataset") != dataset.digest
         ):
             candidates.append(draft)
-    promoted = promoted_drafts(store)
+    promoted = promoted_drafts(store, promoted_checkpoints(store))
     return max(candidates, key=lambda d: (d.digest in promoted, d.finished_at), default=None)
 
 

@@ -259,7 +259,9 @@ def _steps(config: PipelineConfig, sizes: _Sizes, budget: int | None, stored: in
         steps.append(StepPlan(step="regenerate", route=f"server {regenerate.endpoint.display_url} ({regenerate.endpoint.model})"))
     else:
         steps.append(_in_step("regenerate", sizes, bf16, regenerate.device, config, budget, data_parallel=True))
-    if extract.backend == "transformers":
+    if config.train.hidden_states == "online":
+        steps.append(StepPlan(step="extract", route="none: training computes the states (train.hidden_states=online)"))
+    elif extract.backend == "transformers":
         steps.append(_in_step("extract", sizes, bf16, extract.device, config, budget, data_parallel=True))
     elif extract.backend == "vllm":
         steps.append(StepPlan(step="extract", route=f"vLLM server {extract.endpoint.display_url} ({extract.endpoint.model})"))
@@ -276,15 +278,42 @@ def _steps(config: PipelineConfig, sizes: _Sizes, budget: int | None, stored: in
             StepPlan(step="evaluate", route=f"vLLM server {evaluate.endpoint.display_url} ({evaluate.endpoint.model}) serving the draft")
         )
     train = config.train
-    steps.append(
-        StepPlan(
-            step="train",
-            route=f"the draft only, {train.num_gpus} GPU(s) (train.num_gpus); the verifier is not loaded"
-            if _on_gpus(train.device, config)
-            else "the draft only, on the CPU",
+    if train.hidden_states == "online":
+        steps.append(_online_train_step(sizes, config, budget))
+    else:
+        steps.append(
+            StepPlan(
+                step="train",
+                route=f"the draft only, {train.num_gpus} GPU(s) (train.num_gpus); the verifier is not loaded"
+                if _on_gpus(train.device, config)
+                else "the draft only, on the CPU",
+            )
         )
-    )
     return steps
+
+
+def _online_train_step(sizes: _Sizes, config: PipelineConfig, budget: int | None) -> StepPlan:
+    """Online training holds the whole verifier beside the draft in each training process, on its one
+    device (`eagle3.training.online_transfer`): it fits only a verifier that one GPU holds."""
+    import torch
+
+    train = config.train
+    if not _on_gpus(train.device, config):
+        held = placement.model_bytes(sizes.model(torch.float32))
+        return StepPlan(
+            step="train", route=f"the draft and the verifier (online states), on the CPU (float32: {_size(held)} of host memory)"
+        )
+    route = f"the draft and the whole verifier (online states) on each of {train.num_gpus} GPU(s) (train.num_gpus)"
+    if budget is None:
+        return StepPlan(step="train", route=route, on_gpus=True, how="GPU memory unknown: not checked")
+    needed = sizes.gpus(torch.bfloat16, budget)
+    step = StepPlan(step="train", route=route, on_gpus=True, gpus_needed=needed)
+    if needed == 1:
+        step.how = "the verifier fits one GPU"
+    else:
+        step.fits = False
+        step.how = f"the verifier needs {_count(needed)} and online training holds it on one: train.hidden_states=offline"
+    return step
 
 
 def _dataset_tokens(config: PipelineConfig, source: Path) -> tuple[int, int, str]:
@@ -351,13 +380,18 @@ def _estimates(config: PipelineConfig, store_dir: Path, source: Path, records: i
     digest = _known_digest(store_dir, source)
     if digest is None or tokens is None:
         return []
-    if config.verifier.trust_remote_code:
+    paths = sorted((store_dir / "artifacts").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime)
+    manifests = [json.loads(path.read_text()) for path in paths]
+    if source.suffix == ".gguf":  # steps name the directory it was converted into, by that directory's digest
+        converted = (m["digest"] for m in manifests if m.get("kind") == "verifier" and m.get("parents", {}).get("source") == digest)
+        if (digest := next(converted, None)) is None:
+            return []
+    elif config.verifier.trust_remote_code:  # as resolve_verifier keys it
         import hashlib
 
         digest = hashlib.sha256(f"{digest}:trust_remote_code".encode()).hexdigest()
     latest: dict[str, dict] = {}
-    for path in sorted((store_dir / "artifacts").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime):
-        manifest = json.loads(path.read_text())
+    for manifest in manifests:
         if manifest.get("parents", {}).get("verifier") == digest and manifest.get("seconds"):
             latest[manifest["kind"]] = manifest
     out = []
@@ -445,8 +479,14 @@ def make_plan(config: PipelineConfig, costs: bool = True) -> Plan:
 def _running_steps(config: PipelineConfig) -> set[str]:
     """The verifier's steps this run reaches (`stop_after` ends it early: a staged run on a host whose
     GPUs hold one stage at a time is checked stage by stage)."""
+    online = config.train.hidden_states == "online"
+    extracts = config.stop_after != "dataset" and not online
+    trains_online = online and config.stop_after in (None, "checkpoint")
     return (
-        {"regenerate"} | ({"extract"} if config.stop_after != "dataset" else set()) | ({"evaluate"} if config.stop_after is None else set())
+        {"regenerate"}
+        | ({"extract"} if extracts else set())
+        | ({"train"} if trains_online else set())
+        | ({"evaluate"} if config.stop_after is None else set())
     )
 
 
@@ -464,6 +504,7 @@ def check_verifier_fits(config: PipelineConfig) -> None:
     devices = [config.extract.device] if "extract" in running and config.extract.backend == "transformers" else []
     devices += [config.regenerate.device] if config.regenerate.enabled and config.regenerate.backend == "transformers" else []
     devices += [config.evaluate.device] if "evaluate" in running and config.evaluate.backend == "transformers" else []
+    devices += [config.train.device] if "train" in running else []
     if source.suffix == ".gguf" or not any(_on_gpus(device, config) for device in devices):
         return
     plan = make_plan(config, costs=False)

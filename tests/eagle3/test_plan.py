@@ -158,6 +158,24 @@ def test_the_regeneration_rate_counts_the_records_this_run_generated_not_those_a
     assert f"regenerate  {4 / rate / 3600:,.1f} h at {rate:,.2f} records/s (artifact {resumed.digest[:12]})" in plan.estimates
 
 
+def test_a_gguf_verifier_s_estimates_come_from_the_steps_run_on_its_converted_directory(tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    verifier = resolve_verifier(VerifierConfig(), store)  # the bundled SmolLM2 GGUF, converted once
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=4)
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": f"p{i}", "prompt": f"Say {i}."} for i in range(2)])
+    regenerated = regenerate(cfg, prompts, verifier, store, regenerate_provenance(store, cfg, prompts, verifier))
+
+    plan = make_plan(
+        load_config(
+            None, [f"store_dir={tmp_path / 'store'}", f"dataset.path={prompts}", "regenerate.enabled=true", "regenerate.max_new_tokens=4"]
+        )
+    )
+
+    assert verifier.digest != verifier.parents["source"]  # the steps' parent is the conversion, not the file
+    rate = 2 / regenerated.seconds
+    assert plan.estimates == [f"regenerate  {2 / rate / 3600:,.1f} h at {rate:,.2f} records/s (artifact {regenerated.digest[:12]})"]
+
+
 def test_a_run_whose_verifier_cannot_fit_its_gpus_fails_before_loading_with_the_plan(tmp_path, needs_kimi):
     config = load_config(
         None,
@@ -230,3 +248,24 @@ def test_online_training_plans_no_hidden_state_bytes(tmp_path):
 
     assert "none stored (train.hidden_states=online)" in plan.render()
     assert "  dataset     " not in plan.render()
+
+
+def test_online_training_plans_the_verifier_in_training_not_in_extraction(tmp_path):
+    plan = plan_of(tmp_path, LLAMA_8B, "train.hidden_states=online", "verifier.gpu_memory_gib=80", costs=False)
+
+    steps = {step.step: step for step in plan.steps}
+    assert steps["extract"].route == "none: training computes the states (train.hidden_states=online)"
+    assert not steps["extract"].on_gpus
+    assert steps["train"].on_gpus and steps["train"].gpus_needed == 1 and steps["train"].how == "the verifier fits one GPU"
+    assert "the verifier is not loaded" not in plan.render()
+
+
+def test_online_training_refuses_a_verifier_that_one_gpu_cannot_hold(tmp_path):
+    overrides = ["train.hidden_states=online", "verifier.num_gpus=4", "verifier.gpu_memory_gib=10"]
+    config = load_config(None, [f"verifier.path={LLAMA_8B}", f"store_dir={tmp_path / 'store'}", *overrides])
+
+    train = next(step for step in make_plan(config, costs=False).steps if step.step == "train")
+    assert not train.fits and train.gpus_needed == 2
+    with pytest.raises(ConfigError, match=r"train \(the verifier needs 2 GPU\(s\) and online training holds it on one"):
+        check_verifier_fits(config)
+    check_verifier_fits(config.model_copy(update={"stop_after": "hidden_states"}))  # a run that stops before training

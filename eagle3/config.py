@@ -33,7 +33,6 @@ __all__ = [
     "TrainConfig",
     "VerifierConfig",
     "VocabConfig",
-    "default_store_dir",
     "field_docs",
     "load_config",
     "output_affecting",
@@ -50,12 +49,7 @@ class ConfigError(ValueError):
     """A configuration value is missing, malformed or inconsistent."""
 
 
-def default_store_dir() -> Path:
-    """Where artifacts live unless configured: the user's data dir, as XDG asks."""
-    import os
-
-    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(base) / "eagle3-pipeline" / "store"
+DEFAULT_STORE_DIR = "~/.local/share/eagle3-pipeline/store"  # '~' expanded where the run runs, not where a deployment was made
 
 
 class _Group(BaseModel):
@@ -541,7 +535,9 @@ class PipelineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    store_dir: str = Field(str(default_store_dir()), description="Artifact store directory.", json_schema_extra=_NO_KEY)
+    store_dir: str = Field(
+        DEFAULT_STORE_DIR, description="Artifact store directory ('~': the home of the user the run runs as).", json_schema_extra=_NO_KEY
+    )
     verifier: VerifierConfig = VerifierConfig()
     dataset: DatasetConfig = DatasetConfig()
     regenerate: RegenerateConfig = RegenerateConfig()

@@ -31,6 +31,8 @@ def test_the_form_schema_carries_descriptions_defaults_and_bounds(deployments):
     assert "learning rate" in train["lr"]["description"]
     assert train["loss_fn"]["enum"] == ["kl_div", "ce", "tv"]
     assert train["init_from"]["enum"] == ["scratch", "previous"] and train["init_from"]["default"] == "scratch"
+    # the store is the worker's user's, not the home of whoever ran `prefect deploy`
+    assert schema["properties"]["config"]["default"]["store_dir"] == "~/.local/share/eagle3-pipeline/store"
 
 
 def test_the_server_rejects_invalid_parameters_before_a_run_starts(deployments):

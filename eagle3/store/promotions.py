@@ -85,6 +85,11 @@ class PromotionRecord(BaseModel):
 
     def summary(self) -> str:
         measured = f"tau {self.tau:.3f} at k={self.key.k} on {self.key.num_prompts} prompts"
+        if self.tau == 0:  # tau_from_counts' value where no verifier pass was made
+            return (
+                f"not promoted: no verifier pass on {self.key.num_prompts} prompts at max_new_tokens={self.key.max_new_tokens}: "
+                "every answer was one token long, so nothing was drafted to measure; raise evaluate.max_new_tokens"
+            )
         if self.beats_ngram is False:
             return (
                 f"not promoted: {measured} does not beat n-gram prompt lookup's tau {self.ngram_tau:.3f} on the same prompts "

@@ -282,6 +282,25 @@ def test_a_draft_that_does_not_beat_ngram_lookup_is_not_promoted_even_as_the_fir
     assert promoted_checkpoints(store) == []
 
 
+def test_a_draft_never_asked_to_draft_is_not_promoted(tmp_path):
+    store = ArtifactStore(tmp_path)
+    one_token_answers = [(0, 0)] * 4  # each answer came from the prefill: no verifier pass, nothing drafted
+    evaluation = publish_evaluation(
+        store, "unmeasured", {3: tau_from_counts(one_token_answers)}, counts={3: one_token_answers}, ngram_tau=0.0
+    )
+
+    record = promote(
+        DEFAULT, evaluation.model_copy(update={"gains_over_ngram": [{"k": 3, "gain": None, "standard_error": None}]}), store, "run-1"
+    )
+
+    assert not record.promoted and record.beats_ngram is None
+    assert record.summary() == (
+        "not promoted: no verifier pass on 4 prompts at max_new_tokens=64: every answer was one token long, "
+        "so nothing was drafted to measure; raise evaluate.max_new_tokens"
+    )
+    assert promoted_checkpoints(store) == []
+
+
 def test_the_margin_over_ngram_lookup_is_a_setting(tmp_path):
     store = ArtifactStore(tmp_path)
     wide_margin = PromotionConfig(min_gain_over_ngram=0.5)

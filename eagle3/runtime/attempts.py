@@ -153,7 +153,7 @@ def run_attempt(
     child = ctx.Process(target=_child_main, args=(fn, spec, visible_devices, send, os.getpid(), log_level), name=f"eagle3-{fn.__name__}")
     child.start()
     send.close()
-    outcome = None
+    outcome, finished = None, False
     try:
         while outcome is None:
             try:
@@ -167,7 +167,10 @@ def run_attempt(
                 logging.getLogger(name).log(level, message)
             else:
                 outcome = kind, payload
+        finished = True
     finally:
+        if not finished:  # this side failed (a progress report that raised, an interrupt): the child's GPUs and locks go with it
+            child.kill()
         child.join()
         receive.close()
     if outcome is None:
@@ -221,16 +224,16 @@ class BatchBackoff:
         """The value to retry with, logged and recorded in `taken`.
 
         Raises:
-            RuntimeError: half the value would fall below the minimum.
+            RuntimeError: the value is at its minimum already (halving stops there: the minimum is tried).
         """
-        if self.value // 2 < self.minimum:
+        if self.value <= self.minimum:
             tried = [b.value for b in self.taken] + [self.value]
             restart = f" A re-run starts at {self.value} ({self.log} lists the back-offs: delete it to start at the configured value)."
             raise RuntimeError(
                 f"ran out of memory {oom.where} at every batch size tried ({self.setting} = {tried}) down to "
                 f"{self.minimum_setting} = {self.minimum}: {oom.error}. {self.kept}{restart if self.log else ''}"
             )
-        return self._retry_with(self.value // 2, oom)
+        return self._retry_with(max(self.value // 2, self.minimum), oom)
 
     def _retry_with(self, value: int, oom: OutOfMemory) -> int:
         taken = Backoff(setting=self.setting, value=self.value, retry_with=value, error=oom.error, where=oom.where, at=oom.at)

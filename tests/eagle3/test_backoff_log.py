@@ -52,3 +52,13 @@ def test_failing_at_the_minimum_says_where_a_re_run_starts_and_how_not_to(tmp_pa
 
     with pytest.raises(RuntimeError, match=r"= \[2, 1\]\).*Finished records are kept\. A re-run starts at 1 \(.*backoffs\.jsonl lists"):
         backoff.after(OOM)
+
+
+def test_the_back_off_tries_its_minimum_where_halving_passes_it():
+    backoff = BatchBackoff("extract.prefill_batch_tokens", 1024, "extract.min_prefill_batch_tokens", 300, kept="Finished shards are kept.")
+
+    tried = [backoff.after(OOM), backoff.after(OOM)]
+
+    assert tried == [512, 300]
+    with pytest.raises(RuntimeError, match=r"= \[1024, 512, 300\]\) down to extract.min_prefill_batch_tokens = 300"):
+        backoff.after(OOM)

@@ -85,6 +85,22 @@ def test_a_killed_child_is_an_error_with_its_exit_code():
         run_attempt(fail_with, Failure(kind="kill"), ["0"])
 
 
+def report_then_work(spec: Steps, on_progress) -> None:
+    on_progress(1, spec.steps)
+    time.sleep(spec.steps)  # the rest of a long attempt, holding its GPUs
+
+
+def test_a_failure_on_this_side_stops_the_child_instead_of_waiting_out_its_work():
+    def unreachable_server(*_):
+        raise ConnectionError("progress report failed")
+
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="progress report failed"):
+        run_attempt(report_then_work, Steps(steps=60), ["0"], unreachable_server)
+
+    assert time.monotonic() - start < 30  # the child was stopped, not joined after its 60 s of work
+
+
 def test_device_locks_hand_out_distinct_devices_and_wait_when_all_are_taken(tmp_path):
     with lock_free_gpus(["0", "1"], 1, tmp_path) as first, lock_free_gpus(["0", "1"], 1, tmp_path) as second:
         assert sorted(first + second) == ["0", "1"]

@@ -55,6 +55,7 @@ from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.store.artifacts import SERVED_STATES, ArtifactError, ArtifactStore, log_reuse, step_provenance
 from eagle3.store.files import atomic_write_text, fsync
 from eagle3.store.manifests import Provenance
+from eagle3.store.verify import SHARD_DONE, recorded_digests
 from eagle3.verifier.capture import HiddenStateCapture
 from eagle3.verifier.placement import Worker, load_placed, place_verifier
 from eagle3.verifier.resolve_verifier import VerifierManifest
@@ -216,6 +217,12 @@ class _Source:
             self.decoder, self.capture, writer, shard_dir, shard.records, self.input_ids, self.spec.budget, self.device, progress
         )
 
+    def stop_engine(self) -> None:
+        """Kill the vLLM engine (if any) at once: mid-request it is still writing into the shard."""
+        if self.engine is not None:
+            self.engine.close(stop_s=0)
+            self.engine = None
+
     def close(self) -> None:
         if self.capture is not None:
             self.capture.states.clear()
@@ -231,8 +238,11 @@ def _finish_shard(spec: ExtractAttempt, writer: OverlappedWriter, partial: Path,
     verify_shard(partial, [input_ids[i] for i in shard.records], len(spec.aux) + 1, spec.verifier.hidden_size, spec.storage)
     writer.sync(partial)
     digests = {p.name: writer.digests.pop(p) for p in sorted(writer.digests) if p.parent == partial}
-    atomic_write_text(partial / "done.json", json.dumps({"sha256": digests}, indent=0))
-    os.replace(partial, spec.shard_root / shard.key)
+    atomic_write_text(partial / SHARD_DONE, json.dumps({"sha256": digests}, indent=0))
+    final = spec.shard_root / shard.key
+    if final.exists():  # unfinished (no readable done.json): what a killed gc or a damaged record left; the lock is ours
+        shutil.rmtree(final)
+    os.replace(partial, final)
     fsync(spec.shard_root)
 
 
@@ -257,7 +267,7 @@ def _extract_attempt(spec: ExtractAttempt, on_progress: Progress) -> AttemptOutc
                         busy.append(shard.index)
                         progress.total -= tokens
                         continue
-                    if (spec.shard_root / shard.key / "done.json").exists():  # another run finished it since it was listed
+                    if _finished(spec.shard_root / shard.key):  # another run finished it since it was listed
                         progress.update(tokens)
                         on_progress(shard.index, False)
                         continue
@@ -269,6 +279,7 @@ def _extract_attempt(spec: ExtractAttempt, on_progress: Progress) -> AttemptOutc
                         source.extract(writer, partial, shard, progress)
                     except BaseException as exc:
                         writer.discard()  # its queued writes land before the lock lets another run at the shard
+                        source.stop_engine()  # and so do the engine's, which runs in its own processes
                         if not isinstance(exc, torch.OutOfMemoryError):
                             raise
                         oom = OutOfMemory(error=str(exc).splitlines()[0], where=f"in shard {shard.index}", at={"shard": shard.index})
@@ -279,6 +290,23 @@ def _extract_attempt(spec: ExtractAttempt, on_progress: Progress) -> AttemptOutc
         writer.close()
         source.close()
     return AttemptOutcome(busy=busy)
+
+
+def _finished(shard_dir: Path) -> bool:
+    """Whether the shard's `done.json` reads: one that does not (a killed gc, damage) is extracted again."""
+    return isinstance(recorded_digests(shard_dir), dict)
+
+
+def _digests(shard_dir: Path) -> dict[str, str]:
+    """The file digests of a finished shard.
+
+    Raises:
+        ArtifactError: its `done.json` went or was damaged since the shard was found finished.
+    """
+    recorded = recorded_digests(shard_dir)
+    if isinstance(recorded, str):
+        raise ArtifactError(shard_dir, f"{recorded}; run the step again to extract the shard again")
+    return recorded
 
 
 class _ShardPlan:
@@ -302,7 +330,7 @@ class _ShardPlan:
         return sum(len(self.input_ids[i]) for i in self.shards[k])
 
     def finished(self, k: int) -> bool:
-        return (self.root / self.keys[k] / "done.json").exists()
+        return _finished(self.root / self.keys[k])
 
     def free(self, k: int) -> bool:
         with shard_lock_if_free(self.root, self.keys[k]) as mine:
@@ -394,7 +422,7 @@ def _publish(
             "key": key,
             "first_record": shard[0],
             "num_records": len(shard),
-            "sha256": json.loads((plan.root / key / "done.json").read_text())["sha256"],
+            "sha256": _digests(plan.root / key),
         }
         for key, shard in zip(plan.keys, plan.shards)
     ]
@@ -425,10 +453,9 @@ def _published_whole(store: ArtifactStore, provenance: Provenance, shard_root: P
     if published is None:
         return None
     for entry in json.loads((published.path / "shards.json").read_text()):
-        done = shard_root / entry["key"] / "done.json"
-        if not done.exists() or json.loads(done.read_text())["sha256"] != entry["sha256"]:
+        if recorded_digests(shard_root / entry["key"]) != entry["sha256"]:
             logger.warning(
-                "hidden_states: shard %s of the published list %s is gone or extracted again; extracting",
+                "hidden_states: shard %s of the published list %s is gone, damaged or extracted again; extracting",
                 entry["key"][:12],
                 published.digest[:12],
             )

@@ -71,7 +71,8 @@ def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False)
             doomed += [
                 p
                 for p in shard_root.iterdir()
-                if p.name not in live_shards and not p.name.endswith(".partial") and _finished_at(p, SHARD_DONE) <= since
+                if p.name.endswith(".partial")  # a killed extraction's: never live, as no flow runs while gc does
+                or (p.name not in live_shards and _finished_at(p, SHARD_DONE) <= since)
             ]
         served = store.root / SERVED_STATES
         orphans = [f for f in served.iterdir() if f.is_file()] if served.exists() else []

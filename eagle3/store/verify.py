@@ -32,7 +32,7 @@ from eagle3.store.artifacts import ArtifactStore, artifact_damage
 from eagle3.store.files import digest_file
 from eagle3.store.manifests import MANIFEST
 
-__all__ = ["SHARD_DONE", "Damage", "remove_damaged", "verify_shards", "verify_store"]
+__all__ = ["SHARD_DONE", "Damage", "recorded_digests", "remove_damaged", "verify_shards", "verify_store"]
 
 SHARD_DONE = "done.json"  # in shards/<key>/: {"sha256": {file name: digest}}, written once the shard checked out
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def _workers() -> int:
     return os.cpu_count() or 1
 
 
-def _recorded(shard_dir: Path) -> dict[str, str] | str:
+def recorded_digests(shard_dir: Path) -> dict[str, str] | str:
     """The sha256 `done.json` recorded for each file of the shard, or what is wrong with it."""
     try:
         recorded = json.loads((shard_dir / SHARD_DONE).read_text())["sha256"]
@@ -85,7 +85,7 @@ def verify_shards(shard_dirs: Iterable[Path], workers: int | None = None) -> lis
     problems: dict[Path, list[str]] = {}
     files: list[tuple[Path, Path, str]] = []  # (shard, file, recorded sha256)
     for shard_dir in shard_dirs:
-        recorded = _recorded(shard_dir)
+        recorded = recorded_digests(shard_dir)
         problems[shard_dir] = [recorded] if isinstance(recorded, str) else []
         if not isinstance(recorded, str):
             files += [(shard_dir, shard_dir / name, digest) for name, digest in sorted(recorded.items())]

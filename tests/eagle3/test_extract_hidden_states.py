@@ -255,6 +255,29 @@ def test_a_published_shard_list_whose_shard_was_extracted_again_is_listed_again(
     assert again.extracted_shards == 0 and again.digest != first.digest  # the list now names the shard's files as they are
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda done: done.write_bytes(done.read_bytes()[:40]), id="a done.json cut short"),
+        pytest.param(
+            lambda done: [done.unlink(), *(p.unlink() for p in sorted(done.parent.glob("hs_*"))[:2])], id="a killed gc's leftover"
+        ),
+    ],
+)
+def test_a_shard_whose_done_json_does_not_read_is_extracted_again_in_place(prepared, tmp_path, damage):
+    _, verifier, dataset = prepared
+    store, provenance = ArtifactStore(tmp_path / "store"), Provenance(config={"run": "a damaged shard"})
+    cfg = ExtractConfig(aux_layer_ids=AUX, records_per_shard=16)
+    first = extract_hidden_states(cfg, dataset, verifier, store, provenance)
+    damage(store.root / "shards" / first.shards[1]["key"] / "done.json")
+
+    again = extract_hidden_states(cfg, dataset, verifier, store, provenance)
+    other_key = extract_hidden_states(cfg, dataset, verifier, store, Provenance(config={"run": "another key"}))
+
+    assert again.extracted_shards == 1 and again.digest == first.digest  # the same bytes, extracted once more
+    assert other_key.extracted_shards == 0
+
+
 def test_verify_shard_names_file_and_field_on_mismatch(prepared, tmp_path):
     store, verifier, dataset = prepared
     manifest = extract_hidden_states(ExtractConfig(aux_layer_ids=AUX), dataset, verifier, store, Provenance())

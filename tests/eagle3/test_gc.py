@@ -56,6 +56,21 @@ def test_gc_removes_states_files_an_extracting_server_left_behind(tmp_path):
     assert list(left.iterdir()) == []
 
 
+def test_gc_removes_a_killed_extraction_s_unfinished_shard(tmp_path):
+    """A resumed run extracts a shard afresh, so a `.partial` directory of a key no run asks for
+    again (records appended, other aux layers) would otherwise stay for good."""
+    store = ArtifactStore(tmp_path)
+    record_run(store, "run-1", [publish_text_artifact(store, "draft", "kept", {}).digest])
+    finished, partial = tmp_path / "shards" / ("a" * 64), tmp_path / "shards" / f"{'b' * 64}.partial"
+    for shard in (finished, partial):  # both since the kept run: a finished shard is kept for a killed run's re-run
+        shard.mkdir(parents=True)
+        (shard / "hs_0.safetensors").write_bytes(b"x" * 100)
+    (finished / "done.json").write_text('{"sha256": {}}')
+
+    assert collect_garbage(store, keep_runs=1) == {"removed": 1, "bytes": 100, "runs_kept": 1}
+    assert finished.exists() and not partial.exists()
+
+
 def test_gc_dry_run_removes_nothing(tmp_path):
     store = ArtifactStore(tmp_path)
     old = publish_text_artifact(store, "draft", "old", {})

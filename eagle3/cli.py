@@ -93,8 +93,12 @@ def _config(args) -> int:
 def _plan(args) -> int:
     """The plan; exit 1 where a step's verifier does not fit the GPUs it claims."""
     from eagle3.plan import make_plan
+    from eagle3.preflight import verifier_problems
 
-    plan = make_plan(load_config(args.config, args.overrides))
+    config = load_config(args.config, args.overrides)
+    if problems := verifier_problems(config):  # a missing or damaged file, named, before transformers reads it
+        raise ConfigError("; ".join(map(str, problems)))
+    plan = make_plan(config)
     print(plan.render())
     return 0 if plan.fits else 1
 

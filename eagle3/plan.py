@@ -247,10 +247,11 @@ def _in_step(
     return step
 
 
-def _steps(config: PipelineConfig, sizes: _Sizes, budget: int | None, stored: int | None) -> list[StepPlan]:
+def _steps(config: PipelineConfig, sizes: _Sizes, memory: int | None, stored: int | None) -> list[StepPlan]:
     import torch
 
     bf16 = torch.bfloat16
+    budget = int(memory * config.verifier.gpu_memory_fraction) if memory else None
     regenerate, extract, evaluate = config.regenerate, config.extract, config.evaluate
     steps = []
     if not regenerate.enabled:
@@ -266,10 +267,7 @@ def _steps(config: PipelineConfig, sizes: _Sizes, budget: int | None, stored: in
     elif extract.backend == "vllm":
         steps.append(StepPlan(step="extract", route=f"vLLM server {extract.endpoint.display_url} ({extract.endpoint.model})"))
     else:
-        engine = extract.engine
-        gpus = engine.tensor_parallel_size * engine.pipeline_parallel_size
-        share = f"{_size(stored / gpus)} of weights as stored on each" if stored else "weights as stored"
-        steps.append(StepPlan(step="extract", route=f"vLLM engine in the step on {gpus} GPU(s) (tensor x pipeline parallel): {share}"))
+        steps.append(_engine_step(config, memory, stored))
     if evaluate.backend == "transformers":
         dtype = getattr(torch, evaluate.dtype)
         steps.append(_in_step("evaluate", sizes, dtype, evaluate.device, config, budget, data_parallel=False))  # the baselines too
@@ -292,6 +290,34 @@ def _steps(config: PipelineConfig, sizes: _Sizes, budget: int | None, stored: in
     return steps
 
 
+def _engine_step(config: PipelineConfig, memory: int | None, stored: int | None) -> StepPlan:
+    """vLLM's engine holds the weights as stored, split over its tensor x pipeline parallel ranks,
+    each on a GPU of its own, in `extract.engine.gpu_memory_utilization` of that GPU."""
+    engine = config.extract.engine
+    gpus = engine.tensor_parallel_size * engine.pipeline_parallel_size
+    share = stored / gpus if stored else None
+    weights = f"{_size(share)} of weights as stored on each" if share else "weights as stored"
+    route = f"vLLM engine in the step on {gpus} GPU(s) (tensor x pipeline parallel): {weights}"
+    if not _on_gpus(config.extract.device, config):
+        return StepPlan(step="extract", route=route)
+    step = StepPlan(step="extract", route=route, on_gpus=True)
+    held = memory * engine.gpu_memory_utilization if memory else None
+    if gpus > config.verifier.num_gpus and engine.args.get("distributed_executor_backend") != "ray":
+        step.fits = False
+        step.how = f"needs {gpus} GPU(s), {config.verifier.num_gpus} claimed (verifier.num_gpus)"
+    elif held is None or share is None:
+        step.how = "GPU memory unknown: not checked" if held is None else "weights' size unknown: not checked"
+    elif share > held:
+        step.fits = False
+        step.how = (
+            f"each GPU's share of the weights is more than the engine's {_size(held)} of it "
+            f"(extract.engine.gpu_memory_utilization={engine.gpu_memory_utilization}): raise tensor or pipeline parallelism"
+        )
+    else:
+        step.how = f"weights take {share / held:.0%} of the engine's share of each GPU; the rest holds its KV cache"
+    return step
+
+
 def _online_train_step(sizes: _Sizes, config: PipelineConfig, budget: int | None) -> StepPlan:
     """Online training holds the whole verifier beside the draft in each training process, on its one
     device (`eagle3.training.online_transfer`): it fits only a verifier that one GPU holds."""
@@ -309,7 +335,11 @@ def _online_train_step(sizes: _Sizes, config: PipelineConfig, budget: int | None
     needed = sizes.gpus(torch.bfloat16, budget)
     step = StepPlan(step="train", route=route, on_gpus=True, gpus_needed=needed)
     if needed == 1:
-        step.how = "the verifier fits one GPU"
+        held = placement.model_bytes(sizes.model(torch.bfloat16))
+        step.how = (
+            f"the verifier takes {_size(held)} of one GPU's {_size(budget)}: the draft trains in the rest "
+            "(its memory not estimated here; it is not checked)"
+        )
     else:
         step.fits = False
         step.how = f"the verifier needs {_count(needed)} and online training holds it on one: train.hidden_states=offline"
@@ -454,7 +484,7 @@ def make_plan(config: PipelineConfig, costs: bool = True) -> Plan:
         gpu_memory_from=memory_from,
         gpu_memory_fraction=fraction,
         num_gpus=config.verifier.num_gpus,
-        steps=_steps(config, sizes, budget, stored),
+        steps=_steps(config, sizes, memory, stored),
         hidden_state_bytes_per_token=bytes_per_token(text_config(hf_config).hidden_size, config.extract.storage),
         hidden_state_storage="online" if config.train.hidden_states == "online" else config.extract.storage,
         store_dir=config.store_dir,
@@ -505,6 +535,7 @@ def check_verifier_fits(config: PipelineConfig) -> None:
     devices += [config.regenerate.device] if config.regenerate.enabled and config.regenerate.backend == "transformers" else []
     devices += [config.evaluate.device] if "evaluate" in running and config.evaluate.backend == "transformers" else []
     devices += [config.train.device] if "train" in running else []
+    devices += [config.extract.device] if "extract" in running and config.extract.backend == "vllm-engine" else []
     if source.suffix == ".gguf" or not any(_on_gpus(device, config) for device in devices):
         return
     plan = make_plan(config, costs=False)

@@ -24,7 +24,7 @@ from eagle3.config import ConfigError, PipelineConfig
 from eagle3.extraction.storage import MIN_FREE_BYTES
 from eagle3.store.artifacts import ArtifactError
 
-__all__ = ["REMOTE_CODE_ENV", "check_preflight", "preflight", "storage_problem"]
+__all__ = ["REMOTE_CODE_ENV", "check_preflight", "preflight", "storage_problem", "verifier_problems"]
 
 REMOTE_CODE_ENV = "EAGLE3_ALLOW_REMOTE_CODE"  # "false": a deployment pins verifier.trust_remote_code off (docs/security.md)
 GGUF_MAGIC = b"GGUF"
@@ -38,7 +38,7 @@ def preflight(config: PipelineConfig) -> list[Problem]:
     """Every problem found, each naming its file or setting and the fix; empty when the run may
     start. Creates the store directory (as the run would)."""
     problems = _remote_code(config) + _store(Path(config.store_dir).expanduser())
-    problems += _verifier(config)
+    problems += verifier_problems(config)
     problems += _dataset(config)
     problems += _prompts(config)
     return problems
@@ -106,7 +106,8 @@ def _readable(path: Path, setting: str) -> ArtifactError | None:
     return None
 
 
-def _verifier(config: PipelineConfig) -> list[Problem]:
+def verifier_problems(config: PipelineConfig) -> list[Problem]:
+    """What is wrong with the verifier's files, as far as their headers tell (`eagle3 plan` reads no more)."""
     from eagle3.verifier.resolve_verifier import verifier_source
 
     try:

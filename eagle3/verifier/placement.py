@@ -214,11 +214,11 @@ def decoding_placement(
     Raises:
         ConfigError: the verifier does not fit the claimed GPUs.
     """
+    if not gpus:
+        return fallback, None
+    [worker, *replicas] = place_verifier(path, gpus, cfg, dtype)  # refuses a verifier too large for them, one GPU or several
     device = in_process_device(gpus, fallback)
-    if not gpus or len(gpus) == 1:
-        return device, None
-    [worker, *replicas] = place_verifier(path, gpus, cfg, dtype)
-    if replicas:  # it fits one: decode there
+    if replicas or len(gpus) == 1:  # it fits one: decode there
         return device, None
     if worker.max_memory is None:  # place_verifier sets it on the one worker that spans several GPUs
         raise RuntimeError(f"verifier '{path}' is spread over GPUs {gpus} without a memory budget per GPU")

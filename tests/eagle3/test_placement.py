@@ -11,6 +11,7 @@ import torch
 from eagle3.config import ConfigError, VerifierConfig
 from eagle3.verifier.placement import (
     GIB,
+    decoding_placement,
     device_map,
     gpus_needed,
     largest_unit,
@@ -117,6 +118,13 @@ def test_a_verifier_larger_than_the_claimed_gpus_is_refused_before_loading(kimi)
 
     with pytest.raises(ConfigError, match=r"does not fit 8 GPU\(s\) of 139\.8 GiB at verifier\.gpu_memory_fraction=0\.9: 21 are needed"):
         place_verifier(CONFIGS / "kimi-k2.5", [str(i) for i in range(8)], cfg, torch.bfloat16)
+
+
+def test_a_decoding_step_on_one_gpu_refuses_a_verifier_too_large_for_it_before_loading():
+    cfg = VerifierConfig(gpu_memory_gib=10)  # baselines and evaluation claim one GPU where num_gpus is 1: checked all the same
+
+    with pytest.raises(ConfigError, match=r"does not fit 1 GPU\(s\) of 10\.0 GiB at verifier\.gpu_memory_fraction=0\.9: 2 are needed"):
+        decoding_placement(CONFIGS / "llama-3.1-8b-instruct", ["0"], cfg, torch.bfloat16, "cuda")
 
 
 def test_devices_named_cpu_are_cpu_worker_processes():

@@ -67,6 +67,20 @@ def test_kimi_k25_fits_8_h200s_when_its_steps_run_on_vllm_servers(tmp_path, need
     assert routes["extract"].startswith("vLLM server") and routes["evaluate"].startswith("vLLM server")
 
 
+def test_kimi_k25_in_a_vllm_engine_is_checked_against_each_rank_s_share_of_the_weights(tmp_path, needs_kimi):
+    engine = ["extract.backend=vllm-engine", "extract.device=cuda", "verifier.gpu_memory_gib=139.8"]
+    one = plan_of(tmp_path, KIMI, *engine, costs=False)
+    eight = plan_of(tmp_path, KIMI, *engine, "verifier.num_gpus=8", "extract.engine.tensor_parallel_size=8", costs=False)
+    unclaimed = plan_of(tmp_path, KIMI, *engine, "extract.engine.tensor_parallel_size=8", costs=False)
+
+    extract = [next(step for step in plan.steps if step.step == "extract") for plan in (one, eight, unclaimed)]
+    assert not extract[0].fits and extract[0].how.startswith("each GPU's share of the weights is more than the engine's")
+    assert extract[1].fits and extract[1].how.startswith("weights take 5")  # 74.4 GB a rank of 0.9 x 139.8 GiB
+    assert not extract[2].fits and extract[2].how == "needs 8 GPU(s), 1 claimed (verifier.num_gpus)"
+    with pytest.raises(ConfigError, match=r"extract \(each GPU's share of the weights"):
+        check_verifier_fits(load_config(None, [f"verifier.path={KIMI}", f"store_dir={tmp_path / 'store'}", *engine]))
+
+
 def test_without_a_gpu_the_plan_gives_the_gpus_needed_on_h100s_and_h200s(tmp_path, needs_kimi):
     plan = plan_of(tmp_path, KIMI, costs=False)
 
@@ -232,6 +246,18 @@ def test_eagle3_plan_prints_the_plan_and_exits_1_when_a_step_does_not_fit(tmp_pa
     assert "595.1 GB (554.3 GiB) (model.safetensors.index.json)" in out and "DOES NOT FIT: needs 21 GPU(s), 8 claimed" in out
 
 
+def test_eagle3_plan_names_a_missing_or_damaged_gguf_and_exits_2_not_1(tmp_path, capsys):
+    damaged = tmp_path / "verifier.gguf"
+    damaged.write_bytes(b"GGML" + bytes(60))
+
+    codes = [main(["plan", f"verifier.path={path}", f"store_dir={tmp_path / 'store'}"]) for path in (tmp_path / "typo.gguf", damaged)]
+
+    err = capsys.readouterr().err
+    assert codes == [2, 2]  # 1 says "does not fit"
+    assert f"{tmp_path / 'typo.gguf'}: verifier.path does not exist" in err
+    assert f"{damaged}: not a GGUF file: it starts with b'GGML', not b'GGUF'" in err
+
+
 def test_the_shipped_kimi_recipe_fits_8_h200s_with_half_the_bytes_in_fp8(tmp_path, needs_kimi):
     recipe = Path(__file__).resolve().parents[2] / "configs" / "kimi-k2.5-one-host.yaml"
     config = load_config(recipe, [f"verifier.path={KIMI}", "verifier.gpu_memory_gib=139.8", f"store_dir={tmp_path / 'store'}"])
@@ -256,7 +282,9 @@ def test_online_training_plans_the_verifier_in_training_not_in_extraction(tmp_pa
     steps = {step.step: step for step in plan.steps}
     assert steps["extract"].route == "none: training computes the states (train.hidden_states=online)"
     assert not steps["extract"].on_gpus
-    assert steps["train"].on_gpus and steps["train"].gpus_needed == 1 and steps["train"].how == "the verifier fits one GPU"
+    assert steps["train"].on_gpus and steps["train"].gpus_needed == 1
+    assert steps["train"].how.startswith("the verifier takes 16.1 GB (15.0 GiB) of one GPU's")
+    assert steps["train"].how.endswith("the draft trains in the rest (its memory not estimated here; it is not checked)")
     assert "the verifier is not loaded" not in plan.render()
 
 

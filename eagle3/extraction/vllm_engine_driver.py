@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -136,7 +137,15 @@ def _serve(llm, spec: dict, send) -> None:
         send({"written": written, "stats": llm.collective_rpc("eagle3_capture_stats")[0]})
 
 
+def _stop_with_the_engine(*_) -> None:
+    """SIGTERM (from `eagle3.extraction.vllm_engine`, or this process's parent dying): take vLLM's
+    engine core and workers along. They are in this session's process group, and would otherwise
+    outlive it holding the GPUs' memory (vLLM's processes do not watch their parent)."""
+    os.killpg(0, signal.SIGKILL)
+
+
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _stop_with_the_engine)  # started as its session's leader: group 0 is the engine's
     spec, reply_fd = json.loads(argv[1]), int(argv[2])
     os.set_inheritable(reply_fd, False)  # vLLM's own processes must not hold the reply pipe open
     replies = os.fdopen(reply_fd, "w", buffering=1)

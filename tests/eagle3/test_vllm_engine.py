@@ -7,6 +7,7 @@ extracts once; its tests read what it wrote."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,3 +261,53 @@ def test_an_engine_that_fails_to_start_is_named_with_its_log_and_leaves_no_shard
         )
 
     assert not any((store.root / "shards").glob("*/done.json"))
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Pids of the processes whose environment holds `marker` (what a run's processes inherit)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:  # gone, or not ours
+            continue
+    return found
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_failure_on_the_flow_s_side_stops_the_engine_s_processes_with_the_attempt(tmp_path, monkeypatch):
+    import time
+    import uuid
+
+    from eagle3.runtime.attempts import fixed_devices
+
+    inputs = _inputs(tmp_path, lambda out: tiny_llama(out, hidden=128), [0, 2, 3])
+    marker = f"engine-of-{uuid.uuid4()}"
+    monkeypatch.setenv("EAGLE3_TEST_RUN", marker)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    def unreachable_server(done, total):
+        raise ConnectionError("progress report failed")
+
+    with pytest.raises(ConnectionError):
+        extract_hidden_states(
+            _engine_cfg([0, 2, 3]), inputs.dataset, inputs.verifier, inputs.store, Provenance(), unreachable_server, fixed_devices(["0"])
+        )
+    monkeypatch.delenv("EAGLE3_TEST_RUN")
+
+    def orphans() -> list[int]:  # this process and its own children (multiprocessing's resource tracker) aside
+        return [pid for pid in _processes_with(marker) if os.getpid() not in (pid, _parent(pid))]
+
+    deadline = time.monotonic() + 20
+    while (left := orphans()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == []  # vLLM's engine core and workers went with the attempt, not only its driver

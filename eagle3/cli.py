@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from eagle3.config import ConfigError, load_config
+from eagle3.config import ConfigError, load_config, store_path
 from eagle3.figures import with_error
 
 __all__ = ["main"]
@@ -106,12 +106,11 @@ def _plan(args) -> int:
 def _existing_store(path: str | None):
     """The artifact store at `path` (default: PipelineConfig's store_dir), or None, with a message,
     if there is none: the commands that only read or prune a store must not create one at a typo."""
-    from pathlib import Path
 
     from eagle3.config import PipelineConfig
     from eagle3.store.artifacts import ArtifactStore
 
-    root = Path(path or PipelineConfig().store_dir).expanduser()
+    root = store_path(path or PipelineConfig().store_dir)
     if not (root / "artifacts").is_dir():
         print(f"eagle3: {root}: no artifact store here (no artifacts/ directory); pass --store", file=sys.stderr)
         return None
@@ -218,9 +217,9 @@ def _extraction_server(args) -> int:
     from eagle3.verifier.resolve_verifier import resolve_verifier
 
     config = load_config(args.config, args.overrides)
-    verifier = resolve_verifier(config.verifier, ArtifactStore(Path(config.store_dir).expanduser()))
+    verifier = resolve_verifier(config.verifier, ArtifactStore(config.store_dir))
     aux = resolve_aux_layer_ids(config.extract.aux_layer_ids, verifier.num_hidden_layers, verifier.path)
-    storage = Path(args.storage or config.extract.served_states_dir or Path(config.store_dir) / SERVED_STATES).expanduser().resolve()
+    storage = Path(args.storage or config.extract.served_states_dir or store_path(config.store_dir) / SERVED_STATES).expanduser().resolve()
     endpoint = config.extract.endpoint
     url = urlsplit(endpoint.base_url)
     # The CPU build is not the distribution "vllm", which the `vllm` command looks up: start the module.
@@ -305,7 +304,6 @@ def _run(args) -> int:
     Bad input, not a bug, ends in one line per problem naming its file, record and field, and exit 2
     (finished steps stay cached); tracebacks go to the run's log file, not the terminal."""
     from datetime import UTC, datetime
-    from pathlib import Path
 
     from eagle3.preflight import preflight, storage_problem
 
@@ -320,7 +318,7 @@ def _run(args) -> int:
         return 2
     from tasks.temporary_server import preload_flow_engine, start_temporary_server
 
-    store = Path(config.store_dir).expanduser()
+    store = store_path(config.store_dir)
     log_file = store / "logs" / f"run-{datetime.now(UTC):%Y%m%dT%H%M%S}-{os.getpid()}.log"
     server = start_temporary_server(log_file.with_suffix(".server.log"))  # it starts while the flow's modules load
     from eagle3.serving.endpoint import EndpointError

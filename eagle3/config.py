@@ -37,6 +37,7 @@ __all__ = [
     "load_config",
     "output_affecting",
     "redacted_url",
+    "store_path",
 ]
 
 _NO_KEY: JsonDict = {"affects_output": False}
@@ -49,7 +50,18 @@ class ConfigError(ValueError):
     """A configuration value is missing, malformed or inconsistent."""
 
 
-DEFAULT_STORE_DIR = "~/.local/share/eagle3-pipeline/store"  # '~' expanded where the run runs, not where a deployment was made
+DEFAULT_STORE_DIR = "~/.local/share/eagle3-pipeline/store"  # resolved where the run runs (`store_path`), not where a deployment was made
+
+
+def store_path(store_dir: str | Path) -> Path:
+    """Where `store_dir` is on this host. The default names the data directory of the user the run
+    runs as: `$XDG_DATA_HOME/eagle3-pipeline/store` where that is set, as XDG asks, else under
+    `~/.local/share`."""
+    import os
+
+    if str(store_dir) == DEFAULT_STORE_DIR and (data_home := os.environ.get("XDG_DATA_HOME")):
+        return Path(data_home) / "eagle3-pipeline" / "store"
+    return Path(store_dir).expanduser()
 
 
 class _Group(BaseModel):
@@ -536,7 +548,9 @@ class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     store_dir: str = Field(
-        DEFAULT_STORE_DIR, description="Artifact store directory ('~': the home of the user the run runs as).", json_schema_extra=_NO_KEY
+        DEFAULT_STORE_DIR,
+        description="Artifact store directory ('~': the home of the user the run runs as; the default: $XDG_DATA_HOME/eagle3-pipeline/store where that is set).",
+        json_schema_extra=_NO_KEY,
     )
     verifier: VerifierConfig = VerifierConfig()
     dataset: DatasetConfig = DatasetConfig()

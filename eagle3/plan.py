@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 
-from eagle3.config import ConfigError, PipelineConfig
+from eagle3.config import ConfigError, PipelineConfig, store_path
 from eagle3.data.prepare_dataset import dataset_source, read_conversations, read_user_turns
 from eagle3.extraction.storage import bytes_per_token, per_token_arithmetic
 from eagle3.runtime.devices import device_type, gpu_memory_bytes, host_gpu_ids
@@ -40,6 +40,9 @@ __all__ = ["Plan", "StepPlan", "check_verifier_fits", "make_plan"]
 GB = 1e9
 GIB = placement.GIB
 TOKEN_SAMPLE = 256  # records tokenized to estimate a large dataset's tokens
+ENGINE_WEIGHTS_MAX_SHARE = (
+    0.9  # of vLLM's share of a GPU: the rest for the KV cache of one whole prompt and activations, without which it refuses to start
+)
 REFERENCE_GPUS = {"H100 80GB": 79.2, "H200 141GB": 139.8}  # GiB as torch reports them: planned for when no GPU is known
 
 
@@ -267,7 +270,7 @@ def _steps(config: PipelineConfig, sizes: _Sizes, memory: int | None, stored: in
     elif extract.backend == "vllm":
         steps.append(StepPlan(step="extract", route=f"vLLM server {extract.endpoint.display_url} ({extract.endpoint.model})"))
     else:
-        steps.append(_engine_step(config, memory, stored))
+        steps.append(_engine_step(config, memory, stored, text_config(sizes.config).num_hidden_layers))
     if evaluate.backend == "transformers":
         dtype = getattr(torch, evaluate.dtype)
         steps.append(_in_step("evaluate", sizes, dtype, evaluate.device, config, budget, data_parallel=False))  # the baselines too
@@ -290,13 +293,16 @@ def _steps(config: PipelineConfig, sizes: _Sizes, memory: int | None, stored: in
     return steps
 
 
-def _engine_step(config: PipelineConfig, memory: int | None, stored: int | None) -> StepPlan:
+def _engine_step(config: PipelineConfig, memory: int | None, stored: int | None, layers: int) -> StepPlan:
     """vLLM's engine holds the weights as stored, split over its tensor x pipeline parallel ranks,
-    each on a GPU of its own, in `extract.engine.gpu_memory_utilization` of that GPU."""
+    each on a GPU of its own, in `extract.engine.gpu_memory_utilization` of that GPU. A pipeline
+    stage holds a whole number of layers: the largest, ceil(layers / stages), is what must fit, with
+    room beside it for the KV cache and activations (`ENGINE_WEIGHTS_MAX_SHARE`)."""
     engine = config.extract.engine
     gpus = engine.tensor_parallel_size * engine.pipeline_parallel_size
-    share = stored / gpus if stored else None
-    weights = f"{_size(share)} of weights as stored on each" if share else "weights as stored"
+    largest_stage = math.ceil(layers / engine.pipeline_parallel_size) / layers
+    share = stored * largest_stage / engine.tensor_parallel_size if stored else None
+    weights = f"{_size(share)} of weights as stored on the fullest" if share else "weights as stored"
     route = f"vLLM engine in the step on {gpus} GPU(s) (tensor x pipeline parallel): {weights}"
     if not _on_gpus(config.extract.device, config):
         return StepPlan(step="extract", route=route)
@@ -307,14 +313,14 @@ def _engine_step(config: PipelineConfig, memory: int | None, stored: int | None)
         step.how = f"needs {gpus} GPU(s), {config.verifier.num_gpus} claimed (verifier.num_gpus)"
     elif held is None or share is None:
         step.how = "GPU memory unknown: not checked" if held is None else "weights' size unknown: not checked"
-    elif share > held:
+    elif share > held * ENGINE_WEIGHTS_MAX_SHARE:
         step.fits = False
         step.how = (
-            f"each GPU's share of the weights is more than the engine's {_size(held)} of it "
-            f"(extract.engine.gpu_memory_utilization={engine.gpu_memory_utilization}): raise tensor or pipeline parallelism"
+            f"the weights take {share / held:.0%} of the engine's {_size(held)} of a GPU (extract.engine.gpu_memory_utilization="
+            f"{engine.gpu_memory_utilization}), more than {ENGINE_WEIGHTS_MAX_SHARE:.0%}: raise tensor or pipeline parallelism"
         )
     else:
-        step.how = f"weights take {share / held:.0%} of the engine's share of each GPU; the rest holds its KV cache"
+        step.how = f"the weights take {share / held:.0%} of the engine's share of the fullest GPU; the rest holds its KV cache"
     return step
 
 
@@ -498,7 +504,7 @@ def make_plan(config: PipelineConfig, costs: bool = True) -> Plan:
             plan.reference[card] = (sizes.gpus(torch.bfloat16, card_budget), math.ceil(stored / card_budget) if stored else None)
     if costs:
         plan.dataset_records, plan.dataset_tokens, plan.tokens_from = _dataset_tokens(config, source)
-        store_dir = Path(config.store_dir).expanduser()
+        store_dir = store_path(config.store_dir)
         existing = next(p for p in [store_dir, *store_dir.parents] if p.exists())
         plan.store_free_bytes = shutil.disk_usage(existing).free
         plan.estimates = _estimates(config, store_dir, source, plan.dataset_records, plan.dataset_tokens)

@@ -20,7 +20,7 @@ import struct
 import tempfile
 from pathlib import Path
 
-from eagle3.config import ConfigError, PipelineConfig
+from eagle3.config import ConfigError, PipelineConfig, store_path
 from eagle3.extraction.storage import MIN_FREE_BYTES
 from eagle3.store.artifacts import ArtifactError
 
@@ -37,7 +37,7 @@ Problem = ConfigError | ArtifactError
 def preflight(config: PipelineConfig) -> list[Problem]:
     """Every problem found, each naming its file or setting and the fix; empty when the run may
     start. Creates the store directory (as the run would)."""
-    problems = _remote_code(config) + _store(Path(config.store_dir).expanduser())
+    problems = _remote_code(config) + _store(store_path(config.store_dir))
     problems += verifier_problems(config)
     problems += _dataset(config)
     problems += _prompts(config)

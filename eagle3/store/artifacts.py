@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from eagle3.config import output_affecting, store_path
 from eagle3.runtime.locks import exclusive
 from eagle3.store.files import TEMP_SUFFIX, atomic_write_text, digest_file, fsync
 from eagle3.store.manifests import MANIFEST, ArtifactManifest, Producer, Provenance
@@ -152,7 +153,7 @@ class ArtifactStore:
     """`producer`, when given, is stamped on every artifact this store object publishes."""
 
     def __init__(self, root: Path | str, producer: Producer | None = None):
-        self.root = Path(root).expanduser()
+        self.root = store_path(root)
         self.producer = producer
         (self.root / "artifacts").mkdir(parents=True, exist_ok=True)
         (self.root / "work").mkdir(parents=True, exist_ok=True)
@@ -312,8 +313,6 @@ def step_provenance(step: str, store: ArtifactStore, **inputs: Any) -> Provenanc
     """The provenance of `step` (an `eagle3.store.versions.STEPS` entry) from its inputs: manifests count
     by digest, files and directories by streamed content digest, config groups by their
     output-affecting fields, anything else as is."""
-    from eagle3.config import output_affecting
-
     parents: dict[str, str] = {}
     config: dict[str, Any] = {}
     for name, value in sorted(inputs.items()):

@@ -167,3 +167,15 @@ def test_a_server_backend_without_a_served_model_name_is_a_config_error():
 def test_an_override_value_that_is_not_yaml_names_the_override():
     with pytest.raises(ConfigError, match=r"override 'train.lr=\[1': the value is not YAML"):
         load_config(None, ["train.lr=[1"])
+
+
+def test_the_default_store_is_the_data_directory_of_the_user_the_run_runs_as(tmp_path, monkeypatch):
+    from eagle3.config import store_path
+
+    default = PipelineConfig().store_dir
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    assert store_path(default) == tmp_path / "home" / ".local" / "share" / "eagle3-pipeline" / "store"
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert store_path(default) == tmp_path / "data" / "eagle3-pipeline" / "store"
+    assert store_path("~/elsewhere") == tmp_path / "home" / "elsewhere"  # a store_dir set by hand is taken as written

@@ -74,11 +74,21 @@ def test_kimi_k25_in_a_vllm_engine_is_checked_against_each_rank_s_share_of_the_w
     unclaimed = plan_of(tmp_path, KIMI, *engine, "extract.engine.tensor_parallel_size=8", costs=False)
 
     extract = [next(step for step in plan.steps if step.step == "extract") for plan in (one, eight, unclaimed)]
-    assert not extract[0].fits and extract[0].how.startswith("each GPU's share of the weights is more than the engine's")
-    assert extract[1].fits and extract[1].how.startswith("weights take 5")  # 74.4 GB a rank of 0.9 x 139.8 GiB
+    assert not extract[0].fits and extract[0].how.startswith("the weights take 441% of the engine's")
+    assert extract[1].fits and extract[1].how.startswith("the weights take 55%")  # 74.4 GB a rank of 0.9 x 139.8 GiB
     assert not extract[2].fits and extract[2].how == "needs 8 GPU(s), 1 claimed (verifier.num_gpus)"
-    with pytest.raises(ConfigError, match=r"extract \(each GPU's share of the weights"):
+    with pytest.raises(ConfigError, match=r"extract \(the weights take 441%"):
         check_verifier_fits(load_config(None, [f"verifier.path={KIMI}", f"store_dir={tmp_path / 'store'}", *engine]))
+
+
+def test_the_fullest_pipeline_stage_must_fit_with_room_for_the_kv_cache(tmp_path, needs_kimi):
+    h100 = ["extract.backend=vllm-engine", "extract.device=cuda", "verifier.gpu_memory_gib=79.6", "verifier.num_gpus=8"]
+    tensor = plan_of(tmp_path, KIMI, *h100, "extract.engine.tensor_parallel_size=8", costs=False)
+    stages = plan_of(tmp_path, KIMI, *h100, "extract.engine.pipeline_parallel_size=8", costs=False)
+
+    [tensor_step, stages_step] = [next(step for step in plan.steps if step.step == "extract") for plan in (tensor, stages)]
+    assert not tensor_step.fits and "the weights take 97%" in tensor_step.how  # 69.3 GiB of vLLM's 71.6: no room for a KV cache
+    assert not stages_step.fits and "the weights take 101%" in stages_step.how  # 8 of 61 layers: 72.7 GiB, not the average 7.6
 
 
 def test_without_a_gpu_the_plan_gives_the_gpus_needed_on_h100s_and_h200s(tmp_path, needs_kimi):

@@ -418,8 +418,10 @@ def _estimates(config: PipelineConfig, store_dir: Path, source: Path, records: i
         return []
     paths = sorted((store_dir / "artifacts").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime)
     manifests = [json.loads(path.read_text()) for path in paths]
-    if source.suffix == ".gguf":  # steps name the directory it was converted into, by that directory's digest
-        converted = (m["digest"] for m in manifests if m.get("kind") == "verifier" and m.get("parents", {}).get("source") == digest)
+    if source.suffix == ".gguf":  # steps name the directory it was converted into (latest first), by its digest
+        converted = (
+            m["digest"] for m in reversed(manifests) if m.get("kind") == "verifier" and m.get("parents", {}).get("source") == digest
+        )
         if (digest := next(converted, None)) is None:
             return []
     elif config.verifier.trust_remote_code:  # as resolve_verifier keys it

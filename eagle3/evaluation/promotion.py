@@ -16,8 +16,8 @@ promoted` find it without a server.
 A re-run of the same checkpoint does not count its own earlier records: while nothing better has
 been promoted since, it stays promoted. Whatever the history, a draft whose tau does not beat n-gram
 prompt lookup's on the same prompts (by `min_gain_over_ngram`) is not promoted: n-gram lookup needs
-no training, so such a draft is not worth serving, and the summary says so; nor is one whose
-evaluation made no verifier pass (tau 0: every answer one token long, nothing drafted to measure).
+no training, so such a draft is not worth serving, and the summary says so; nor is one whose tau
+is not above 1 (no drafted token accepted, or, at 0, no verifier pass: nothing drafted to measure).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def promote(cfg: PromotionConfig, evaluation: EvalManifest, store: ArtifactStore
             tau=tau,
             tau_sim=evaluation.tau_sim,
             min_improvement=cfg.min_improvement,
-            promoted=tau > 0 and beats_ngram is not False and (best is None or _beats(tau - best.tau, error, cfg)),
+            promoted=tau > 1 and beats_ngram is not False and (best is None or _beats(tau - best.tau, error, cfg)),
             ngram_tau=ngram_tau,
             min_gain_over_ngram=cfg.min_gain_over_ngram,
             beats_ngram=beats_ngram,

@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["TEMP_SUFFIX", "atomic_write_bytes", "atomic_write_text", "digest_file", "fsync"]
+__all__ = ["TEMP_SUFFIX", "atomic_write_bytes", "atomic_write_text", "digest_file", "fsync", "remove_tree"]
 
 TEMP_SUFFIX = ".tmp"  # atomic_write_bytes' temp files: one left behind was a write cut short
 _CHUNK = 1 << 20
@@ -51,3 +51,17 @@ def fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def remove_tree(path: Path, why: str) -> None:
+    """Rename `path` away first, then delete it: readers see the whole directory or none of it (a
+    deletion killed midway otherwise leaves a manifest or done.json beside missing files). The name
+    it is renamed to starts with a dot, so no digest or shard key: gc removes what a kill leaves."""
+    import shutil
+
+    doomed = path.with_name(f".{path.name}.{why}-{os.getpid()}")
+    try:
+        os.replace(path, doomed)
+    except FileNotFoundError:
+        return  # another process removed it first
+    shutil.rmtree(doomed)

@@ -15,12 +15,12 @@ no flow running, no run is waiting for them.
 from __future__ import annotations
 
 import json
-import shutil
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 from eagle3.runtime.locks import exclusive_if_free, shared
 from eagle3.store.artifacts import PUBLISHED, SERVED_STATES, ArtifactError, ArtifactStore
+from eagle3.store.files import remove_tree
 from eagle3.store.manifests import MANIFEST
 from eagle3.store.promotions import promoted_checkpoints, promoted_drafts
 from eagle3.store.runs import replay_file, run_records
@@ -65,13 +65,20 @@ def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False)
         for best in best_records:  # and the verifier a served checkpoint names
             live_artifacts.update((best.checkpoint, best.evaluation, best.key.verifier))
         live_artifacts.update(promoted_drafts(store, best_records))  # what the next warm start continues from
-        doomed = [p for p in (store.root / "artifacts").iterdir() if p.name not in live_artifacts and _finished_at(p, MANIFEST) <= since]
+        # A name starting with a dot is a removal a kill cut short (`remove_tree`), one ending in .partial a
+        # killed extraction's shard: neither is ever live, and no flow runs while gc does.
+        doomed = [
+            p
+            for p in (store.root / "artifacts").iterdir()
+            if p.name.startswith(".") or (p.name not in live_artifacts and _finished_at(p, MANIFEST) <= since)
+        ]
         shard_root = store.root / "shards"
         if shard_root.exists():
             doomed += [
                 p
                 for p in shard_root.iterdir()
-                if p.name.endswith(".partial")  # a killed extraction's: never live, as no flow runs while gc does
+                if p.name.startswith(".")
+                or p.name.endswith(".partial")
                 or (p.name not in live_shards and _finished_at(p, SHARD_DONE) <= since)
             ]
         served = store.root / SERVED_STATES
@@ -79,7 +86,7 @@ def collect_garbage(store: ArtifactStore, keep_runs: int, dry_run: bool = False)
         freed = sum(f.stat().st_size for p in doomed for f in p.rglob("*") if f.is_file()) + sum(f.stat().st_size for f in orphans)
         if not dry_run:
             for path in doomed:
-                shutil.rmtree(path)
+                remove_tree(path, "collected")
             for orphan in orphans:
                 orphan.unlink(missing_ok=True)
             published = store.root / PUBLISHED

@@ -90,6 +90,8 @@ class PromotionRecord(BaseModel):
                 f"not promoted: no verifier pass on {self.key.num_prompts} prompts at max_new_tokens={self.key.max_new_tokens}: "
                 "every answer was one token long, so nothing was drafted to measure; raise evaluate.max_new_tokens"
             )
+        if self.tau <= 1:  # a server's counters give 1 where nothing was drafted, too
+            return f"not promoted: {measured}: no drafted token was accepted, so the draft saves no verifier pass"
         if self.beats_ngram is False:
             return (
                 f"not promoted: {measured} does not beat n-gram prompt lookup's tau {self.ngram_tau:.3f} on the same prompts "

@@ -22,14 +22,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.store.artifacts import ArtifactStore, artifact_damage
-from eagle3.store.files import digest_file
+from eagle3.store.files import digest_file, remove_tree
 from eagle3.store.manifests import MANIFEST
 
 __all__ = ["SHARD_DONE", "Damage", "recorded_digests", "remove_damaged", "verify_shards", "verify_store"]
@@ -128,17 +127,6 @@ def _listing_artifacts(store: ArtifactStore, shard_keys: set[str]) -> list[Path]
     return found
 
 
-def _remove(path: Path) -> None:
-    """Renamed away first (readers see the whole directory or none), then deleted; a name with a dot
-    is no digest or shard key, so gc removes what a run killed in between leaves."""
-    doomed = path.with_name(f".{path.name}.damaged-{os.getpid()}")
-    try:
-        os.replace(path, doomed)
-    except FileNotFoundError:
-        return  # another run removed it first
-    shutil.rmtree(doomed)
-
-
 def remove_damaged(store: ArtifactStore, damaged: list[Damage]) -> list[Path]:
     """Remove damaged artifacts and shards, and the hidden-state artifacts that list a removed shard, so
     the next run computes them again: a step whose cached artifact is gone runs again, and extraction
@@ -147,5 +135,5 @@ def remove_damaged(store: ArtifactStore, damaged: list[Damage]) -> list[Path]:
     doomed = [d.path for d in damaged] + _listing_artifacts(store, shard_keys)
     for path in dict.fromkeys(doomed):
         logger.warning("removing %s (damaged, or it lists a damaged shard): the next run computes it again", path)
-        _remove(path)
+        remove_tree(path, "damaged")
     return list(dict.fromkeys(doomed))

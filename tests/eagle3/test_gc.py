@@ -56,19 +56,23 @@ def test_gc_removes_states_files_an_extracting_server_left_behind(tmp_path):
     assert list(left.iterdir()) == []
 
 
-def test_gc_removes_a_killed_extraction_s_unfinished_shard(tmp_path):
+def test_gc_removes_what_killed_extractions_and_killed_removals_left(tmp_path):
     """A resumed run extracts a shard afresh, so a `.partial` directory of a key no run asks for
-    again (records appended, other aux layers) would otherwise stay for good."""
+    again (records appended, other aux layers) would otherwise stay for good; so would a directory
+    a removal renamed away (`remove_tree`) and was killed before deleting."""
     store = ArtifactStore(tmp_path)
     record_run(store, "run-1", [publish_text_artifact(store, "draft", "kept", {}).digest])
-    finished, partial = tmp_path / "shards" / ("a" * 64), tmp_path / "shards" / f"{'b' * 64}.partial"
-    for shard in (finished, partial):  # both since the kept run: a finished shard is kept for a killed run's re-run
-        shard.mkdir(parents=True)
-        (shard / "hs_0.safetensors").write_bytes(b"x" * 100)
+    shards = tmp_path / "shards"
+    finished, partial, half_removed = shards / ("a" * 64), shards / f"{'b' * 64}.partial", shards / f".{'c' * 64}.collected-99"
+    half_removed_artifact = tmp_path / "artifacts" / f".{'d' * 64}.damaged-98"
+    for left in (finished, partial, half_removed, half_removed_artifact):  # all since the kept run: a finished shard is kept
+        left.mkdir(parents=True)
+        (left / "hs_0.safetensors").write_bytes(b"x" * 100)
     (finished / "done.json").write_text('{"sha256": {}}')
 
-    assert collect_garbage(store, keep_runs=1) == {"removed": 1, "bytes": 100, "runs_kept": 1}
-    assert finished.exists() and not partial.exists()
+    assert collect_garbage(store, keep_runs=1) == {"removed": 3, "bytes": 300, "runs_kept": 1}
+    assert finished.exists() and not partial.exists() and not half_removed.exists() and not half_removed_artifact.exists()
+    assert [p.name for p in shards.iterdir()] == ["a" * 64]  # gc's own removals leave nothing behind
 
 
 def test_gc_dry_run_removes_nothing(tmp_path):

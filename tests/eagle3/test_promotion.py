@@ -301,6 +301,17 @@ def test_a_draft_never_asked_to_draft_is_not_promoted(tmp_path):
     assert promoted_checkpoints(store) == []
 
 
+def test_a_served_draft_none_of_whose_tokens_was_accepted_is_not_promoted(tmp_path):
+    store = ArtifactStore(tmp_path)
+
+    record = promote(DEFAULT, publish_evaluation(store, "rejected", {3: 1.0}, ngram_tau=None, backend="vllm"), store, "run-1")
+
+    assert not record.promoted
+    assert record.summary() == (
+        "not promoted: tau 1.000 at k=3 on 4 prompts: no drafted token was accepted, so the draft saves no verifier pass"
+    )
+
+
 def test_the_margin_over_ngram_lookup_is_a_setting(tmp_path):
     store = ArtifactStore(tmp_path)
     wide_margin = PromotionConfig(min_gain_over_ngram=0.5)

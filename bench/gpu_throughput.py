@@ -1,11 +1,13 @@
 """Hidden-state extraction throughput on one GPU: the pipeline's extraction step against its parts.
 
     python bench/gpu_throughput.py                 # Llama-3.1-8B shape, random weights, 2048-token samples
-    python bench/gpu_throughput.py --layers 4      # a quick smoke run
+    python bench/gpu_throughput.py --layers 8      # a quick smoke run
 
 Measures, on the same random-weight verifier and the same packed data:
 - `compute`: forward passes with the hidden-state hooks only (tokens/s, model FLOPs utilisation
-  = 2 x params x tokens / time / measured bf16 matmul peak);
+  = FLOPs a token x tokens / time / measured bf16 matmul peak, a token's FLOPs counted as PaLM's
+  MFU counts them: 2 per weight of the decoder's matmuls, not the embedding lookup nor the output
+  head, which extraction never runs, plus causal attention's 2 x layers x hidden x seq_len);
 - `pipeline`: `eagle3.extraction.extract_hidden_states` end to end (device-to-host copy, safetensors
   writes, verification), minus the verifier load time measured separately; then the same with
   `extract.storage=fp8` (states quantized on the GPU before the copy), with the bytes a token
@@ -86,10 +88,11 @@ def build_verifier(root: Path, layers: int) -> VerifierManifest:
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(root)
     params = sum(p.numel() for p in model.parameters())
+    matmul_params = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("model.embed_tokens.", "lm_head.")))
     del model
     torch.cuda.empty_cache()
     manifest = VerifierManifest(path=root, num_hidden_layers=layers, hidden_size=4096, vocab_size=128256, nested=False)
-    return manifest, params
+    return manifest, params, matmul_params
 
 
 def build_dataset(root: Path, samples: int, seq_len: int) -> DatasetManifest:
@@ -222,6 +225,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the JSON result here")
     args = parser.parse_args()
+    if args.layers < 8:
+        parser.error("--layers must be at least 8: the three aux layers (2, layers // 2, layers - 3) must be distinct")
 
     root = Path(tempfile.mkdtemp(dir=args.workdir))
     try:
@@ -232,12 +237,13 @@ def main() -> None:
 
 def run(args, root: Path) -> None:
     peak = matmul_peak_tflops()
-    verifier, params = build_verifier(root / "verifier", args.layers)
+    verifier, params, matmul_params = build_verifier(root / "verifier", args.layers)
     dataset = build_dataset(root / "dataset", args.samples, args.seq_len)
     ids = pq.read_table(dataset.path / dataset.files[0]).column("input_ids").to_pylist()
     tokens = args.samples * args.seq_len
     n = args.layers
-    aux = [2, n // 2, n - 3]
+    aux = [2, n // 2, n - 3]  # EAGLE-3's layers: distinct from 8 layers up
+    flops_per_token = 2 * matmul_params + 2 * n * 4096 * args.seq_len
 
     start = time.perf_counter()
     model = load_text_model(verifier.path, torch.bfloat16, torch.device("cuda"))
@@ -269,6 +275,7 @@ def run(args, root: Path) -> None:
             "layers": n,
             "hidden": 4096,
             "params": params,
+            "flops_per_token": flops_per_token,
             "samples": args.samples,
             "seq_len": args.seq_len,
             "prefill_batch_tokens": args.prefill_batch_tokens,
@@ -276,9 +283,9 @@ def run(args, root: Path) -> None:
         "matmul_peak_tflops": peak,
         "verifier_load_s": load_s,
         "compute_tok_s": compute_tps,
-        "compute_mfu": 2 * params * compute_tps / (peak * 1e12),
+        "compute_mfu": flops_per_token * compute_tps / (peak * 1e12),
         "pipeline_tok_s": pipeline_tps,
-        "pipeline_mfu": 2 * params * pipeline_tps / (peak * 1e12),
+        "pipeline_mfu": flops_per_token * pipeline_tps / (peak * 1e12),
         "pipeline_total_s": pipeline_s,
         "pipeline_vs_naive": pipeline_tps / naive_tps,
         "naive_tok_s": naive_tps,

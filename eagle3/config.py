@@ -444,7 +444,7 @@ class TrainConfig(_Group):
         ge=1,
         json_schema_extra=_NO_KEY,
         description="Processes per training GPU that read the hidden-state files (CPU training reads in its own). They "
-        "dequantize fp8 files on the CPU, one about 7,900 tokens/s of an 8B verifier's states (`python "
+        "dequantize fp8 files on the CPU, one about 13,700 tokens/s of an 8B verifier's states (`python "
         "bench/fp8_read.py`): fp8 runs want several times bf16's.",
     )
     device: Device = Field("auto", description="Where the draft trains.", json_schema_extra=_NO_KEY)

@@ -123,6 +123,8 @@ def trial(n: int, phase: str, how: str, rng: random.Random, inputs: tuple[Path, 
         server = _server_pid(port[1]) if port else None
         started = descendants(run.pid) | ({server} if server else set())
         killed_at = time.monotonic()
+        finished = re.findall(r"Task run '([a-z-]+)-\w+' - Finished", log.read_text(errors="replace"))
+        row["after_task"] = finished[-1] if finished else None  # where the kill landed: the phase is a window, not a guarantee
         if run.poll() is not None:
             row["killed"] = f"finished first (exit {run.returncode})"
         elif phase == "server":

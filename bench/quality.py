@@ -272,6 +272,7 @@ def eval_row(evaluation: dict, baseline: dict | None) -> dict:
     """One eval set's line of the table, from its evaluation and baseline manifests."""
     accuracy, coverage = evaluation.get("draft_token_accuracy"), evaluation.get("draft_vocab_coverage")
     return {
+        "settings": evaluation.get("config", {}).get("cfg"),  # what this set was evaluated with: k, tokens, backend, dtype
         "prompts": evaluation["num_prompts"],
         "tokens": evaluation["num_tokens"],
         "mismatches": evaluation["mismatches"],
@@ -394,7 +395,7 @@ def summarize(
     return {
         "command": " ".join(["python", *sys.argv]),
         "size": args.size,
-        "config": cfg.model_dump(mode="json", exclude={"store_dir"}) | {"evaluate": "per eval set: see eval"},
+        "config": cfg.model_dump(mode="json", exclude={"store_dir"}) | {"evaluate": "per eval set: each row's settings"},
         "training_mix": mix,
         "training_samples": dataset["num_records"],
         "training_tokens": dataset["num_tokens"],

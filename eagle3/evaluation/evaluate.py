@@ -39,7 +39,15 @@ from typing import TYPE_CHECKING
 
 from eagle3.config import EvalConfig, VerifierConfig
 from eagle3.data.prepare_dataset import SAMPLE_EVAL_PROMPTS
-from eagle3.evaluation.baseline import BaselineManifest, DecodingModel, chat_prompts, decode_remaining, decode_summary, eval_prompts
+from eagle3.evaluation.baseline import (
+    BaselineManifest,
+    DecodingModel,
+    baseline_provenance,
+    chat_prompts,
+    decode_remaining,
+    decode_summary,
+    eval_prompts,
+)
 from eagle3.evaluation.served_acceptance import measure_served_acceptance
 from eagle3.evaluation.speculative import DecodeStats, speculative_decode
 from eagle3.evaluation.tau import PER_PROMPT, Counts, gain_over, per_prompt_counts, read_counts
@@ -224,6 +232,14 @@ def _summarize(cfg: EvalConfig, entries: list[dict], references: list[list[int]]
     )
 
 
+def _unmatched(baselines: BaselineManifest, store: ArtifactStore, cfg: EvalConfig, verifier: VerifierManifest, prompts: Path) -> list[str]:
+    """The inputs and settings of `baselines` that differ from those this evaluation decodes with,
+    among those their provenance records (the flow's record all: `baseline_provenance`)."""
+    expected = baseline_provenance(store, cfg, verifier, prompts)
+    differ = [f"parents.{name}" for name, digest in expected.parents.items() if baselines.parents.get(name, digest) != digest]
+    return differ + [f"config.{name}" for name, value in expected.config.items() if baselines.config.get(name, value) != value]
+
+
 def evaluation_provenance(
     store: ArtifactStore,
     cfg: EvalConfig,
@@ -274,6 +290,11 @@ def evaluate(
 
     if cfg.backend == "transformers" and baselines is None:
         raise ValueError("backend 'transformers' compares the draft with baselines: pass `baselines` (eagle3.evaluation.baseline)")
+    if cfg.backend == "transformers" and baselines is not None and (differ := _unmatched(baselines, store, cfg, verifier, prompts_path)):
+        raise ArtifactError(
+            baselines.path,
+            f"baselines measured otherwise than this evaluation decodes ({', '.join(differ)}): measure them with its settings",
+        )
     texts = eval_prompts(prompts_path, cfg.num_prompts)
     prompts = chat_prompts(verifier, texts, prompts_path) if cfg.backend == "transformers" else None  # a server templates its own
     with store.step_work_dir(EvalManifest, provenance) as (work, published):

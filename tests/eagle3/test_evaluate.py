@@ -16,7 +16,7 @@ from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfi
 from eagle3.data.prepare_dataset import prepare_dataset
 from eagle3.evaluation import baseline
 from eagle3.evaluation import evaluate as evaluate_module
-from eagle3.evaluation.baseline import DecodingModel, chat_prompts, measure_baselines, read_prompts
+from eagle3.evaluation.baseline import DecodingModel, baseline_provenance, chat_prompts, measure_baselines, read_prompts
 from eagle3.evaluation.draft_proposer import Eagle3Proposer, StaticEagle3Proposer, draft_token_accuracy
 from eagle3.evaluation.evaluate import EvalManifest, eval_prompts_source, evaluate, evaluation_provenance, load_draft
 from eagle3.evaluation.served_acceptance import read_spec_decode_counters
@@ -419,6 +419,18 @@ def test_baselines_of_other_prompts_are_refused_by_name(exported, two_prompts):
         evaluate(
             cfg.model_copy(update={"num_prompts": 1}), checkpoint, hidden, verifier, prompts, store, Provenance(config={"n": 1}), baselines
         )
+
+
+def test_baselines_measured_with_other_settings_are_refused_by_field(exported, two_prompts):
+    store, verifier, hidden, checkpoint = exported
+    cfg, prompts, _ = two_prompts
+    short = cfg.model_copy(update={"max_new_tokens": 8})
+    baselines = measure_baselines(short, verifier, prompts, store, baseline_provenance(store, short, verifier, prompts))
+
+    with pytest.raises(
+        ArtifactError, match=rf"{baselines.path}: baselines measured otherwise than this evaluation decodes \(config.max_new_tokens\)"
+    ):
+        evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"settings": "other"}), baselines)
 
 
 def test_baselines_are_keyed_by_device_type_and_decoding_not_by_the_eval_backend_or_a_files_location(exported, two_prompts):

@@ -63,7 +63,7 @@ from eagle3.verifier.resolve_verifier import VerifierManifest
 if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, these only where a step runs
     from eagle3.training.train_worker import TrainSpec
 
-__all__ = ["DraftManifest", "previous_draft", "train_draft", "training_provenance"]
+__all__ = ["DraftManifest", "previous_draft", "ship_best_epoch", "train_draft", "training_provenance"]
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +235,22 @@ def _in_process(spec: TrainSpec, on_step) -> OutOfMemory | None:
     return oom  # returned outside the except block, so the error's frames (and tensors) are freed
 
 
+def ship_best_epoch(checkpoints: Path, epochs: list[dict], out: Path) -> int:
+    """Write the weights of the epoch with the best validation estimate (`best_epoch`) from
+    `checkpoints/<epoch>` to `out`, in bf16; returns that epoch.
+
+    Raises:
+        RuntimeError: no epoch was validated.
+    """
+    from eagle3.training.trainer_compat import save_bf16_checkpoint  # imports speculators' trainer: only where weights ship
+
+    selected = best_epoch(epochs)
+    if selected is None:
+        raise RuntimeError(f"no validated epoch in {checkpoints}: no weights to ship")
+    save_bf16_checkpoint(checkpoints / str(selected), out)
+    return selected
+
+
 def train_draft(
     cfg: TrainConfig,
     dataset: DatasetManifest,
@@ -262,7 +278,6 @@ def train_draft(
         RuntimeError: out of memory at the smallest batch allowed, or training was interrupted by a signal.
     """
     from eagle3.training.train_worker import TrainSpec
-    from eagle3.training.trainer_compat import save_bf16_checkpoint
 
     extent = check_total_seq_len(cfg.total_seq_len, dataset)
     with store.step_work_dir(DraftManifest, provenance) as (work, published):
@@ -311,13 +326,10 @@ def train_draft(
             )
         epochs = epoch_summaries(history, cfg.ttt_steps)
         assert [e["epoch"] for e in epochs] == list(range(cfg.epochs)), epochs  # resume_point counts validated epochs only
-        selected = best_epoch(epochs)
-        if selected is None:  # cfg.epochs >= 1 and every epoch is validated (asserted above)
-            raise RuntimeError(f"no validated epoch in {spec.metrics_log}: no weights to ship")
         out = work / "artifact"
         if out.exists():
             shutil.rmtree(out)
-        save_bf16_checkpoint(spec.checkpoints / str(selected), out / "checkpoint")
+        selected = ship_best_epoch(spec.checkpoints, epochs, out / "checkpoint")
         shutil.copy2(spec.metrics_log, out / "metrics.jsonl")
         if (work / "train.log").exists():  # GPU training is not bit-reproducible anyway; on CPU there is no such log
             shutil.copy2(work / "train.log", out / "train.log")

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 from conftest import publish_evaluation, publish_text_artifact
 
@@ -73,6 +75,19 @@ def test_gc_removes_what_killed_extractions_and_killed_removals_left(tmp_path):
     assert collect_garbage(store, keep_runs=1) == {"removed": 3, "bytes": 300, "runs_kept": 1}
     assert finished.exists() and not partial.exists() and not half_removed.exists() and not half_removed_artifact.exists()
     assert [p.name for p in shards.iterdir()] == ["a" * 64]  # gc's own removals leave nothing behind
+
+
+def test_gc_removes_the_finished_shards_no_kept_run_reached(tmp_path):
+    store = ArtifactStore(tmp_path)
+    unreached = tmp_path / "shards" / ("e" * 64)
+    unreached.mkdir(parents=True)
+    (unreached / "hs_0.safetensors").write_bytes(b"x" * 100)
+    (unreached / "done.json").write_text('{"sha256": {}}')  # finished before the kept run
+    os.utime(unreached / "done.json", (1, 1))
+    record_run(store, "run-1", [publish_text_artifact(store, "draft", "kept", {}).digest])
+
+    assert collect_garbage(store, keep_runs=1) == {"removed": 1, "bytes": 114, "runs_kept": 1}
+    assert not unreached.exists()
 
 
 def test_gc_dry_run_removes_nothing(tmp_path):

@@ -26,7 +26,7 @@ from eagle3.store.manifests import Provenance
 from eagle3.training.epochs import best_epoch, epoch_summaries
 from eagle3.training.packing import supervised_extent
 from eagle3.training.resume import drop_checkpoints_before, prepare_resume
-from eagle3.training.train import train_draft
+from eagle3.training.train import ship_best_epoch, train_draft
 from eagle3.training.vocab_mapping import build_vocab_mapping
 from eagle3.verifier.loading import load_tokenizer
 from eagle3.verifier.resolve_verifier import resolve_verifier
@@ -314,6 +314,23 @@ def test_a_trained_draft_records_the_epoch_it_ships(uninterrupted):
 
     assert draft.selected_epoch == best_epoch(draft.epochs)
     assert draft.tau_sim == draft.epochs[draft.selected_epoch]["tau_sim"]
+
+
+def test_the_weights_shipped_are_those_of_the_best_validated_epoch_not_the_last(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    checkpoints = tmp_path / "checkpoints"
+    for epoch in range(3):  # each epoch's float32 weights tell it apart
+        (checkpoints / str(epoch)).mkdir(parents=True)
+        save_file({"fc.weight": torch.full((2, 2), epoch + 0.5)}, checkpoints / str(epoch) / "model.safetensors")
+        (checkpoints / str(epoch) / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    records = [_validation(0, [0.5, 0.4, 0.3]), _validation(1, [0.9, 0.8, 0.7]), _validation(2, [0.6, 0.5, 0.4])]
+
+    shipped = ship_best_epoch(checkpoints, epoch_summaries(records, 3), tmp_path / "out")
+
+    assert shipped == 1
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    assert weights["fc.weight"].dtype == torch.bfloat16 and weights["fc.weight"].unique().tolist() == [1.5]
 
 
 def _whole_checkpoint(checkpoints, epoch: int) -> None:

@@ -166,3 +166,18 @@ def test_fp8_shards_train_to_the_validation_figures_of_bf16(extracted, monkeypat
     read_bf16, read_fp8 = first_sample[0]["hidden_states"], first_sample[1]["hidden_states"]
     assert read_fp8.dtype == torch.float32
     assert (read_fp8 - read_bf16.float()).norm() / read_bf16.float().norm() < 0.04
+
+
+def test_the_room_a_dataset_s_states_need_is_checked_with_its_margin_and_floor():
+    from eagle3.extraction.storage import MIN_FREE_BYTES, room_problem
+
+    tokens, hidden = 1_000_000, 4096  # bf16: 4 x 4096 x 2 = 32,768 B a token, 32.8 GB
+    need = tokens * 4 * hidden * 2
+    enough = int(need * 1.05) + MIN_FREE_BYTES
+
+    assert room_problem(tokens, hidden, "bf16", enough) is None
+    short = room_problem(tokens, hidden, "bf16", enough - 1)
+    assert short is not None and short.startswith("1,000,000 tokens of hidden states take 32.77 GB at 32,768 B a token")
+    assert "extract.storage=fp8 stores them in 16.39 GB" in short and "train.hidden_states=online" in short
+    fp8_enough = int(tokens * (4 * hidden + 4) * 1.05) + MIN_FREE_BYTES  # 1 B values and a 4 B scale a token
+    assert room_problem(tokens, hidden, "fp8", fp8_enough) is None and room_problem(tokens, hidden, "fp8", fp8_enough - 1) is not None

@@ -40,9 +40,9 @@ __all__ = ["Plan", "StepPlan", "check_verifier_fits", "make_plan"]
 GB = 1e9
 GIB = placement.GIB
 TOKEN_SAMPLE = 256  # records tokenized to estimate a large dataset's tokens
-ENGINE_WEIGHTS_MAX_SHARE = (
-    0.9  # of vLLM's share of a GPU: the rest for the KV cache of one whole prompt and activations, without which it refuses to start
-)
+# Of vLLM's share of a GPU, what its weights may take: the rest holds the KV cache of one whole prompt and the
+# activations, without which it refuses to start.
+ENGINE_WEIGHTS_MAX_SHARE = 0.9
 REFERENCE_GPUS = {"H100 80GB": 79.2, "H200 141GB": 139.8}  # GiB as torch reports them: planned for when no GPU is known
 
 
@@ -539,11 +539,11 @@ def check_verifier_fits(config: PipelineConfig) -> None:
     """
     source = verifier_source(config.verifier)
     running = _running_steps(config)
-    devices = [config.extract.device] if "extract" in running and config.extract.backend == "transformers" else []
+    in_step = "extract" in running and config.extract.backend in ("transformers", "vllm-engine")  # not on a server
+    devices = [config.extract.device] if in_step else []
     devices += [config.regenerate.device] if config.regenerate.enabled and config.regenerate.backend == "transformers" else []
     devices += [config.evaluate.device] if "evaluate" in running and config.evaluate.backend == "transformers" else []
     devices += [config.train.device] if "train" in running else []
-    devices += [config.extract.device] if "extract" in running and config.extract.backend == "vllm-engine" else []
     if source.suffix == ".gguf" or not any(_on_gpus(device, config) for device in devices):
         return
     plan = make_plan(config, costs=False)

@@ -53,7 +53,7 @@ from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory
 from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.store.artifacts import SERVED_STATES, ArtifactError, ArtifactStore, log_reuse, step_provenance
-from eagle3.store.files import atomic_write_text, fsync
+from eagle3.store.files import atomic_write_text, fsync, remove_tree
 from eagle3.store.manifests import Provenance
 from eagle3.store.verify import SHARD_DONE, recorded_digests
 from eagle3.verifier.capture import HiddenStateCapture
@@ -241,7 +241,7 @@ def _finish_shard(spec: ExtractAttempt, writer: OverlappedWriter, partial: Path,
     atomic_write_text(partial / SHARD_DONE, json.dumps({"sha256": digests}, indent=0))
     final = spec.shard_root / shard.key
     if final.exists():  # unfinished (no readable done.json): what a killed gc or a damaged record left; the lock is ours
-        shutil.rmtree(final)
+        remove_tree(final, "unfinished")
     os.replace(partial, final)
     fsync(spec.shard_root)
 

@@ -40,7 +40,7 @@ from pydantic import BaseModel
 
 from eagle3.config import output_affecting, store_path
 from eagle3.runtime.locks import exclusive
-from eagle3.store.files import TEMP_SUFFIX, atomic_write_text, digest_file, fsync
+from eagle3.store.files import TEMP_SUFFIX, atomic_write_text, digest_file, fsync, remove_tree
 from eagle3.store.manifests import MANIFEST, ArtifactManifest, Producer, Provenance
 from eagle3.store.versions import code_version
 
@@ -273,9 +273,7 @@ class ArtifactStore:
         fsync(work)
         if final.exists() and (damage := artifact_damage(final, type(manifest))) is not None:
             logger.warning("%s: %s; replacing it with the copy just computed", final, damage)
-            damaged = final.with_name(f".{digest}.damaged-{os.getpid()}")  # not a digest: gc removes it if this run dies here
-            os.replace(final, damaged)
-            shutil.rmtree(damaged)
+            remove_tree(final, "damaged")
         try:
             os.replace(work, final)
             fsync(final.parent)

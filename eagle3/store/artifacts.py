@@ -34,7 +34,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel
 
@@ -128,25 +128,30 @@ def read_manifest_record(manifest: Path) -> dict:
 def artifact_damage(path: Path, manifest_type: type[ArtifactManifest] | None = None, files: bool = True) -> str | None:
     """What is wrong with the stored artifact `path` (None: its manifest reads, as a `manifest_type`
     of that type's kind where given, and with `files` its files hash to the digest it is stored under)."""
+    found = _checked_manifest(path, manifest_type, files)
+    return found if isinstance(found, str) else None
+
+
+def _checked_manifest(path: Path, manifest_type: type[ArtifactManifest] | None, files: bool) -> ArtifactManifest | dict | str:
+    """`artifact_damage`'s checks, returning the manifest they read (as `manifest_type` where given,
+    else its record) or, as a string, what is wrong."""
     record = _record_or_problem(path / MANIFEST)
     if isinstance(record, str):
         return f"{MANIFEST} is {record}"
     if record.get("digest") != path.name:
         return f"{MANIFEST} does not name this artifact's digest"
+    manifest: ArtifactManifest | dict = record
     if manifest_type is not None:
         kind = manifest_type.model_fields["kind"].default  # a step's manifest type names its kind; ArtifactManifest none
         if isinstance(kind, str) and record.get("kind") != kind:
             return f"{MANIFEST} names kind {record.get('kind')!r}, not {kind!r}"
         try:
-            manifest_type.model_validate(record)
+            manifest = manifest_type.model_validate(record)
         except ValueError as exc:
             return f"{MANIFEST} is not a {manifest_type.__name__} ({str(exc).splitlines()[0]})"
-    if not files:
-        return None
-    found = digest_tree(path)
-    if found != path.name:
+    if files and (found := digest_tree(path)) != path.name:
         return f"its files hash to {found[:12]}, not the digest it is stored under: a file changed, appeared or went since it was published"
-    return None
+    return manifest
 
 
 class ArtifactStore:
@@ -191,11 +196,11 @@ class ArtifactStore:
         pointer = self._pointer(manifest_type.model_fields["kind"].default, provenance.key)
         if not pointer.exists() or not (path := self.artifact_dir(pointer.read_text())).joinpath(MANIFEST).exists():
             return None
-        if (damage := artifact_damage(path, manifest_type, files=check_files)) is not None:
-            logger.warning("%s: %s; computing it again", path, damage)  # publishing what is computed replaces the copy
+        found = _checked_manifest(path, manifest_type, files=check_files)
+        if isinstance(found, str):
+            logger.warning("%s: %s; computing it again", path, found)  # publishing what is computed replaces the copy
             return None
-        found = manifest_type.model_validate(read_manifest_record(path / MANIFEST))
-        return found.model_copy(update={**provenance.model_dump(), "path": path})
+        return cast(M, found).model_copy(update={**provenance.model_dump(), "path": path})
 
     def work_path(self, step: str, key: str) -> Path:
         """Where `work_dir(step, key)` is, without holding it: for what runs of a step that do not

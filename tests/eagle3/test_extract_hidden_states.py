@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import threading
 from contextlib import ExitStack, contextmanager
@@ -17,6 +18,7 @@ from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, VerifierCon
 from eagle3.data.prepare_dataset import load_dataset_table, prepare_dataset
 from eagle3.extraction.extract_hidden_states import ExtractAttempt, ShardWork, _extract_attempt, extract_hidden_states
 from eagle3.extraction.shards import hidden_state_files, shard_lock, verify_shard
+from eagle3.extraction.storage import MIN_FREE_BYTES, ROOM_MARGIN, bytes_per_token
 from eagle3.extraction.writer import OverlappedWriter
 from eagle3.runtime.faults import FAULT_OOM_ENV
 from eagle3.store.artifacts import ArtifactError, ArtifactStore
@@ -113,6 +115,43 @@ def test_killed_extraction_resumes_at_the_first_unfinished_shard(prepared, tmp_p
     assert {p.name: p.stat().st_mtime_ns for p in finished.iterdir()} == first_shard
     fresh = extract_hidden_states(cfg, dataset, verifier, ArtifactStore(tmp_path / "fresh"), Provenance())
     assert fresh.digest == resumed.digest
+
+
+def _room_for(tokens: int, hidden_size: int) -> int:
+    """The fewest free bytes with which `tokens` tokens' states are extracted (bf16)."""
+    return math.ceil(tokens * bytes_per_token(hidden_size, "bf16") * (1 + ROOM_MARGIN)) + MIN_FREE_BYTES
+
+
+def test_states_that_would_not_fit_the_disk_are_refused_before_a_shard_is_written_and_a_resumed_run_counts_only_what_is_left(
+    prepared, monkeypatch, tmp_path
+):
+    _, verifier, dataset = prepared
+    store = ArtifactStore(tmp_path)
+    cfg = ExtractConfig(aux_layer_ids=AUX, records_per_shard=8)
+    lengths = [len(ids) for ids in load_dataset_table(dataset).column("input_ids").to_pylist()]
+    usage = shutil.disk_usage(tmp_path)
+
+    def free(n: int) -> None:
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=n))
+
+    free(_room_for(sum(lengths), verifier.hidden_size) - 1)
+    with pytest.raises(ArtifactError, match=r"not extracting: .* tokens of hidden states take .* Ways out: extract.storage=fp8") as refused:
+        extract_hidden_states(cfg, dataset, verifier, store, Provenance())
+    assert str(store.root / "shards") in str(refused.value)
+    assert list((store.root / "shards").iterdir()) == []
+
+    class Killed(Exception):
+        pass
+
+    def die_after_first_shard(done, total):
+        raise Killed
+
+    free(_room_for(sum(lengths), verifier.hidden_size))
+    with pytest.raises(Killed):
+        extract_hidden_states(cfg, dataset, verifier, store, Provenance(), on_progress=die_after_first_shard)
+    free(_room_for(sum(lengths[8:]), verifier.hidden_size))  # the first shard's 8 records are on disk already
+    resumed = extract_hidden_states(cfg, dataset, verifier, store, Provenance())
+    assert (resumed.extracted_shards, resumed.reused_shards) == (2, 1)
 
 
 def _while_other_runs_extract(tmp_path, dataset, verifier, held: int, then) -> tuple[object, list[str], bool]:

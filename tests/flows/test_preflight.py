@@ -142,6 +142,20 @@ def test_a_read_only_store_is_named_before_prefect_starts(run_args, read_only_di
     ), line
 
 
+def test_a_store_with_less_free_space_than_any_run_needs_is_named_before_prefect_starts(run_args, tmp_path, monkeypatch, capsys):
+    from eagle3.extraction.storage import MIN_FREE_BYTES
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=MIN_FREE_BYTES - 2**20))
+
+    [line] = _refused(run_args, capsys)
+
+    assert line == (
+        f"eagle3: {tmp_path / 'store'}: only {(MIN_FREE_BYTES >> 20) - 1} MiB free on store_dir's filesystem, below the "
+        f"{MIN_FREE_BYTES >> 20} MiB any run needs: free space or set store_dir elsewhere"
+    )
+
+
 def _run_cli(args: list[str], prefect_server: str, cwd: Path, limit_file_bytes: int | None = None) -> subprocess.CompletedProcess:
     """`eagle3 run` in its own process against the session's server; `limit_file_bytes`: no file it
     writes may grow beyond this (`ulimit -f`), which is how a disk filling up meets a write."""

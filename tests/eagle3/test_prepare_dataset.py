@@ -35,9 +35,10 @@ CONVERSATION = [
         (CHATML, "Hello there<|im_end|>Sure<|im_end|>"),
         (LLAMA3, "Hello there<|eot_id|>Sure<|eot_id|>"),
         (GENERATION, "Hello there<|im_end|>Sure<|im_end|>"),
+        (GENERATION.replace("<|im_end|>{% endgeneration %}", "{% endgeneration %}<|im_end|>"), "Hello thereSure"),
         (THINKING, "Hello there<|im_end|>Sure<|im_end|>"),
     ],
-    ids=["chatml", "llama3", "generation-markers", "thinking-prompt"],
+    ids=["chatml", "llama3", "generation-markers", "generation-markers-content-only", "thinking-prompt"],
 )
 def template_case(request):
     template, supervised = request.param
@@ -49,6 +50,8 @@ def _segments(mask: list[int]) -> int:
 
 
 def test_loss_mask_covers_exactly_the_assistant_turns(template_case):
+    """Where the template marks what is generated, its markers decide (the content-only case differs
+    from what the rendering's prefixes would give)."""
     tokenizer, expected_supervised = template_case
 
     ids, mask = build_loss_mask(tokenizer, CONVERSATION)

@@ -74,8 +74,8 @@ def previous_draft_task(
     draft = step.previous_draft(ArtifactStore(store_dir), cfg, verifier, hidden_states, dataset)
     if draft is None:
         get_run_logger().warning(
-            "train.init_from=previous: the store holds no draft for this verifier, aux layers and num_layers "
-            "trained on another dataset; training from scratch"
+            "train.init_from=previous: the store holds no draft for this verifier, aux layers, num_layers "
+            "and fc_norm trained on another dataset; training from scratch"
         )
     else:
         get_run_logger().info(

@@ -180,15 +180,22 @@ def chat_prompts(verifier: VerifierManifest, texts: list[str], source: Path) -> 
 
 def decode_summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
     """tau (tokens per verifier pass) and its standard error over prompts, acceptance by draft
-    position, speed and counts of `runs` (one per prompt)."""
-    passes = [a for run in runs for a in run.accepted_per_pass]
+    position, speed and counts of `runs` (one per prompt). Position i's acceptance is over the
+    passes that drafted an i-th token (`drafts_by_position`), as vLLM's counters divide by its
+    drafts: the last passes before `max_new_tokens` draft fewer than k, and n-gram drafts nothing
+    where it finds no match. So tau = 1 + sum(acceptance x drafts) / verifier_passes."""
+    passes = [(a, d) for run in runs for a, d in zip(run.accepted_per_pass, run.drafted_per_pass, strict=True)]
     tokens, counts = sum(len(run.tokens) for run in runs), per_prompt_counts(runs)
+    drafts_by_position = [sum(d >= i for _, d in passes) for i in range(1, k + 1)]
     return {
         "method": method,
         "k": k,
         "tau": tau_from_counts(counts),
         "tau_standard_error": tau_standard_error(counts),
-        "acceptance_by_position": [sum(a >= i for a in passes) / max(len(passes), 1) for i in range(1, k + 1)],
+        "acceptance_by_position": [
+            sum(a >= i for a, d in passes if d >= i) / max(drafts, 1) for i, drafts in enumerate(drafts_by_position, 1)
+        ],
+        "drafts_by_position": drafts_by_position,
         "tokens_per_s": tokens / sum(run.seconds for run in runs),
         "verifier_passes": len(passes),
         "tokens": tokens,

@@ -29,6 +29,9 @@ class DecodeStats:
     tokens: list[int]
     verifier_passes: int = 0
     accepted_per_pass: list[int] = field(default_factory=list)
+    drafted_per_pass: list[int] = field(
+        default_factory=list
+    )  # fewer than k where the answer's end was nearer, 0 where n-gram found no match
     seconds: float = 0.0
 
 
@@ -89,6 +92,7 @@ def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int
         proposer.observe(None if aux is None else aux[: accepted + 1])
         stats.verifier_passes += 1
         stats.accepted_per_pass.append(accepted)
+        stats.drafted_per_pass.append(len(drafted))
         for token in new:
             if len(stats.tokens) >= max_new_tokens or stats.tokens[-1] in eos_ids:
                 break

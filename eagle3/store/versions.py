@@ -48,8 +48,8 @@ STEPS: dict[str, StepCode] = {
         1, ("torch", "transformers", "speculators")
     ),  # the verifier's states computed in training: no hidden-state artifact
     "checkpoint": StepCode(1, ("torch", "speculators")),
-    "baseline": StepCode(3, ("torch", "transformers")),  # 3: an untimed first decode records the graphs: new speeds
-    "evaluation": StepCode(3, ("torch", "transformers", "speculators")),  # 3: as baseline's 3; records greedy_measured_on
+    "baseline": StepCode(4, ("torch", "transformers")),  # 4: acceptance by position over the passes that drafted there
+    "evaluation": StepCode(4, ("torch", "transformers", "speculators")),  # 4: as baseline's 4
     "evaluation/vllm": StepCode(1),
 }
 

@@ -16,7 +16,7 @@ from eagle3.config import DatasetConfig, EndpointConfig, EvalConfig, ExportConfi
 from eagle3.data.prepare_dataset import prepare_dataset
 from eagle3.evaluation import baseline
 from eagle3.evaluation import evaluate as evaluate_module
-from eagle3.evaluation.baseline import DecodingModel, baseline_provenance, chat_prompts, measure_baselines, read_prompts
+from eagle3.evaluation.baseline import DecodingModel, baseline_provenance, chat_prompts, decode_summary, measure_baselines, read_prompts
 from eagle3.evaluation.draft_proposer import Eagle3Proposer, StaticEagle3Proposer, draft_token_accuracy
 from eagle3.evaluation.evaluate import EvalManifest, eval_prompts_source, evaluate, evaluation_provenance, load_draft
 from eagle3.evaluation.served_acceptance import read_spec_decode_counters
@@ -120,6 +120,22 @@ def test_acceptance_is_counted_per_verifier_pass(verifier_model):
     assert oracle.tokens == reference
     assert oracle.accepted_per_pass[:4] == [4, 4, 4, 4] and oracle.verifier_passes == 5
     assert nothing.accepted_per_pass == [0] * 24
+
+
+def test_acceptance_by_position_is_over_the_passes_that_drafted_there(verifier_model):
+    """vLLM divides each position's accepted drafts by its drafts: a pass near the answer's end
+    drafts fewer than k, and n-gram drafts nothing without a match; neither counts as a rejection."""
+    forward = DynamicForward(*verifier_model)
+    reference = greedy_decode(forward, PROMPT, 12, set()).tokens
+
+    oracle = speculative_decode(forward, OracleProposer(reference, len(PROMPT)), PROMPT, 12, 4, set())
+    nothing = speculative_decode(forward, NgramProposer(max_n=99, min_n=99), PROMPT, 12, 4, set())
+
+    assert oracle.tokens == reference
+    assert (oracle.accepted_per_pass, oracle.drafted_per_pass) == ([4, 4, 1], [4, 4, 1])  # 1 + 5 + 5 + 1 tokens
+    assert decode_summary("eagle3", 4, [oracle])["acceptance_by_position"] == [1.0, 1.0, 1.0, 1.0]
+    assert nothing.drafted_per_pass == [0] * 11
+    assert decode_summary("ngram", 4, [nothing])["acceptance_by_position"] == [0.0, 0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("norms", ["norm_before_fc", "fc_norm"])
@@ -353,7 +369,8 @@ def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported,
     for r in manifest.results:
         assert 1.0 <= r["tau"] <= r["k"] + 1
         assert len(r["acceptance_by_position"]) == r["k"]
-        assert r["tau"] == pytest.approx(1 + sum(r["acceptance_by_position"]))
+        shares = [drafts / r["verifier_passes"] for drafts in r["drafts_by_position"]]
+        assert r["tau"] == pytest.approx(1 + sum(a * share for a, share in zip(r["acceptance_by_position"], shares, strict=True)))
         assert r["tau_standard_error"] >= 0.0  # two prompts: a spread is measured
         assert r["tokens"] == baselines.num_tokens  # every decode is the greedy output
     taus = {(r["method"], r["k"]): r["tau"] for r in manifest.results}

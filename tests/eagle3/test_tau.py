@@ -7,9 +7,11 @@ from eagle3.evaluation.speculative import DecodeStats
 from eagle3.evaluation.tau import gain_over, per_prompt_counts, tau_from_counts, tau_standard_error
 
 
-def _decoded(*accepted_per_prompt: list[int]) -> list[DecodeStats]:
+def _decoded(*accepted_per_prompt: list[int], k: int = 3) -> list[DecodeStats]:
     return [
-        DecodeStats(tokens=[0] * (sum(a) + len(a)), verifier_passes=len(a), accepted_per_pass=list(a), seconds=1.0)
+        DecodeStats(
+            tokens=[0] * (sum(a) + len(a)), verifier_passes=len(a), accepted_per_pass=list(a), drafted_per_pass=[k] * len(a), seconds=1.0
+        )
         for a in accepted_per_prompt
     ]
 

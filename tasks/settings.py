@@ -26,6 +26,7 @@ def set_prefect_defaults() -> None:
 
 EXIT_DEADLINE_S = 8.0  # after SIGTERM; a run must be gone within 10 s however the signal came
 SIGNAL_SEEN_S = 1.0  # how long an exception leaving the run waits to learn whether a SIGTERM came first
+CAUGHT_UP = 0  # a byte no signal writes to the wakeup fd (there is no signal 0): the watcher reports reading it
 
 
 @contextmanager
@@ -46,13 +47,16 @@ def exit_cleanly_on_sigterm() -> Iterator[None]:
 
     The exception can also turn into another: a SIGTERM that lands while Prefect creates a task run
     makes its crash handling raise `ValueError: Task run is not set`, which fails the flow instead.
-    An exception that leaves the block after a SIGTERM arrived exits as SIGTERM does, 128 + 15."""
+    An exception that leaves the block after a SIGTERM arrived exits as SIGTERM does, 128 + 15, and
+    so does a block that returns after one: a handler may swallow it (speculators' trainer saves and
+    returns on SIGTERM, and in the window after its last epoch our check of the epochs passes): a
+    process told to stop does not report success."""
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     read, write = os.pipe()
     os.set_blocking(write, False)
     previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    terminated = threading.Event()
-    threading.Thread(target=_exit_deadline, args=(read, terminated), name="eagle3-sigterm-watch", daemon=True).start()
+    terminated, caught_up = threading.Event(), threading.Event()
+    threading.Thread(target=_exit_deadline, args=(read, terminated, caught_up), name="eagle3-sigterm-watch", daemon=True).start()
     try:
         yield
     except Exception as exc:
@@ -60,6 +64,11 @@ def exit_cleanly_on_sigterm() -> Iterator[None]:
         if terminated.wait(timeout=SIGNAL_SEEN_S):
             raise SystemExit(128 + signal.SIGTERM) from exc
         raise
+    else:
+        os.write(write, bytes([CAUGHT_UP]))  # behind every signal's byte: once the watcher reads it, it has read theirs
+        caught_up.wait(timeout=SIGNAL_SEEN_S)
+        if terminated.is_set():
+            raise SystemExit(128 + signal.SIGTERM)
     finally:
         signal.set_wakeup_fd(previous_fd)
         signal.signal(signal.SIGTERM, previous)
@@ -70,13 +79,16 @@ def _exit_on_sigterm(signum, frame) -> None:
     sys.exit(128 + signum)
 
 
-def _exit_deadline(wakeup: int, terminated: threading.Event) -> None:
+def _exit_deadline(wakeup: int, terminated: threading.Event, caught_up: threading.Event) -> None:
     """Started by the first SIGTERM that reaches the process (it sets `terminated`), ends it
-    `EXIT_DEADLINE_S` later; a second ends it at once. Returns when the pipe is closed."""
+    `EXIT_DEADLINE_S` later; a second ends it at once. Sets `caught_up` on reading `CAUGHT_UP`.
+    Returns when the pipe is closed."""
     code = 128 + signal.SIGTERM
     deadline: threading.Timer | None = None
     while arrived := os.read(wakeup, 64):  # one byte per signal that arrived, its number
         for signum in arrived:
+            if signum == CAUGHT_UP:
+                caught_up.set()
             if signum != signal.SIGTERM:
                 continue
             terminated.set()

@@ -78,6 +78,26 @@ def test_a_sigterm_that_turned_into_another_exception_still_exits_as_sigterm_doe
     assert run.stderr.read() == ""
 
 
+SWALLOWED = """
+import os, signal
+from tasks.settings import exit_cleanly_on_sigterm
+
+with exit_cleanly_on_sigterm():
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as speculators' trainer does: it saves and returns
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("went on", flush=True)
+print("reported success", flush=True)
+"""
+
+
+def test_a_sigterm_a_handler_swallowed_still_ends_the_process_as_sigterm_does_when_the_block_returns():
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", SWALLOWED], cwd=REPO, capture_output=True, text=True, timeout=30)
+
+    assert (done.returncode, done.stdout) == (128 + signal.SIGTERM, "went on\n")
+    assert time.monotonic() - started < EXIT_DEADLINE_S  # at the block's end, not at the deadline
+
+
 def test_an_exception_without_a_sigterm_leaves_the_process_as_it_is():
     done = subprocess.run([sys.executable, "-c", TURNED, "0"], cwd=REPO, capture_output=True, text=True, timeout=30)
 

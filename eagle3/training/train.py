@@ -55,7 +55,7 @@ from eagle3.training import train_timing
 from eagle3.training.epochs import best_epoch, epoch_summaries
 from eagle3.training.metrics_log import read_log
 from eagle3.training.packing import LosslessBackoff, check_total_seq_len
-from eagle3.training.resume import prepare_resume, resume_point
+from eagle3.training.resume import INTERRUPTED, prepare_resume, resume_point
 from eagle3.training.training_curves import render_training_curves
 from eagle3.training.vocab_mapping import VocabManifest
 from eagle3.verifier.resolve_verifier import VerifierManifest
@@ -319,7 +319,9 @@ def train_draft(
 
         history = read_log(spec.metrics_log)
         point = resume_point(spec.checkpoints, history)
-        if point.finished_epochs != cfg.epochs:  # speculators saves and returns on SIGINT/SIGTERM instead of raising
+        # speculators saves and returns on SIGINT/SIGTERM instead of raising; after the last epoch's validation its
+        # interrupted/ checkpoint is the only trace of the signal
+        if point.finished_epochs != cfg.epochs or (spec.checkpoints / INTERRUPTED).exists():
             raise RuntimeError(
                 f"training was interrupted after {point.finished_epochs} of {cfg.epochs} epochs; finished epochs are kept "
                 f"in {spec.checkpoints}: a re-run resumes from the last."

@@ -166,6 +166,26 @@ def test_a_signal_mid_training_resumes_from_the_last_epoch_without_renaming_anyt
     assert draft.digest == uninterrupted[2].digest
 
 
+def test_a_signal_after_the_last_epoch_s_validation_still_fails_the_step_and_a_rerun_publishes_the_same_draft(
+    store, inputs, uninterrupted, monkeypatch
+):
+    """Every epoch is validated by then, so only speculators' interrupted/ checkpoint tells of the
+    signal; a step that published would let the run go on as if it had not been told to stop."""
+    update = trainer_module.Trainer.maybe_update_best
+
+    def maybe_update_best(self, epoch, *args, **kwargs):
+        if epoch == TRAIN.epochs - 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # speculators' handler saves checkpoints/interrupted and returns
+        return update(self, epoch, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer_module.Trainer, "maybe_update_best", maybe_update_best)
+        with pytest.raises(RuntimeError, match=f"interrupted after {TRAIN.epochs} of {TRAIN.epochs} epochs"):
+            _train(store, inputs, "sigterm-after-the-last-epoch")
+
+    assert _train(store, inputs, "sigterm-after-the-last-epoch").digest == uninterrupted[2].digest
+
+
 def test_speculators_batches_lose_exactly_the_supervised_tokens_the_extent_says(inputs):
     """The reading of speculators' sampler and collate that `packing` rests on, checked on its own code."""
     import torch

@@ -25,7 +25,7 @@ def set_prefect_defaults() -> None:
 
 
 EXIT_DEADLINE_S = 8.0  # after SIGTERM; a run must be gone within 10 s however the signal came
-SIGNAL_SEEN_S = 1.0  # how long an exception leaving the run waits to learn whether a SIGTERM came first
+SIGNAL_SEEN_S = 1.0  # how long the block's end waits for the watcher to read the signals that arrived before it
 CAUGHT_UP = 0  # a byte no signal writes to the wakeup fd (there is no signal 0): the watcher reports reading it
 
 
@@ -57,17 +57,22 @@ def exit_cleanly_on_sigterm() -> Iterator[None]:
     previous_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     terminated, caught_up = threading.Event(), threading.Event()
     threading.Thread(target=_exit_deadline, args=(read, terminated, caught_up), name="eagle3-sigterm-watch", daemon=True).start()
+
+    def sigterm_arrived() -> bool:
+        """A signal's byte is in the pipe before any handler runs, and the watcher reads the pipe in
+        order: once it has read a byte written now, it has read every signal's before it."""
+        os.write(write, bytes([CAUGHT_UP]))
+        caught_up.wait(timeout=SIGNAL_SEEN_S)
+        return terminated.is_set()
+
     try:
         yield
     except Exception as exc:
-        # The signal's byte is in the pipe before any handler runs: the watcher has it at once.
-        if terminated.wait(timeout=SIGNAL_SEEN_S):
+        if sigterm_arrived():
             raise SystemExit(128 + signal.SIGTERM) from exc
         raise
     else:
-        os.write(write, bytes([CAUGHT_UP]))  # behind every signal's byte: once the watcher reads it, it has read theirs
-        caught_up.wait(timeout=SIGNAL_SEEN_S)
-        if terminated.is_set():
+        if sigterm_arrived():
             raise SystemExit(128 + signal.SIGTERM)
     finally:
         signal.set_wakeup_fd(previous_fd)

@@ -29,9 +29,8 @@ class DecodeStats:
     tokens: list[int]
     verifier_passes: int = 0
     accepted_per_pass: list[int] = field(default_factory=list)
-    drafted_per_pass: list[int] = field(
-        default_factory=list
-    )  # fewer than k where the answer's end was nearer, 0 where n-gram found no match
+    # fewer than k where the answer's end was nearer, 0 where n-gram found no match
+    drafted_per_pass: list[int] = field(default_factory=list)
     seconds: float = 0.0
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from eagle3.data.prepare_dataset import DatasetManifest, load_dataset_table, pre
 from eagle3.extraction.extract_hidden_states import extract_hidden_states
 from eagle3.extraction.shards import HiddenStatesManifest, hidden_state_files, shard_key
 from eagle3.extraction.vllm_engine import EngineStates
+from eagle3.runtime.attempts import fixed_devices
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.manifests import Provenance
 from eagle3.verifier.loading import load_tokenizer
@@ -282,13 +286,22 @@ def _parent(pid: int) -> int | None:
         return None
 
 
+def _orphans(marker: str) -> list[int]:
+    """The run's processes left, this process and its own children (multiprocessing's resource tracker) aside."""
+    return [pid for pid in _processes_with(marker) if os.getpid() not in (pid, _parent(pid))]
+
+
+def _gone_within(marker: str, seconds: float) -> list[int]:
+    """The run's processes still there after waiting up to `seconds` for them to go."""
+    deadline = time.monotonic() + seconds
+    while (left := _orphans(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_a_failure_on_the_flow_s_side_stops_the_engine_s_processes_with_the_attempt(tmp_path, monkeypatch):
-    import time
-    import uuid
-
-    from eagle3.runtime.attempts import fixed_devices
 
     inputs = _inputs(tmp_path, lambda out: tiny_llama(out, hidden=128), [0, 2, 3])
     marker = f"engine-of-{uuid.uuid4()}"
@@ -304,10 +317,39 @@ def test_a_failure_on_the_flow_s_side_stops_the_engine_s_processes_with_the_atte
         )
     monkeypatch.delenv("EAGLE3_TEST_RUN")
 
-    def orphans() -> list[int]:  # this process and its own children (multiprocessing's resource tracker) aside
-        return [pid for pid in _processes_with(marker) if os.getpid() not in (pid, _parent(pid))]
+    assert _gone_within(marker, 20) == []  # vLLM's engine core and workers went with the attempt, not only its driver
 
-    deadline = time.monotonic() + 20
-    while (left := orphans()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert left == []  # vLLM's engine core and workers went with the attempt, not only its driver
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_engine_s_driver_takes_the_engine_along_on_the_sigterm_its_parent_s_death_sends(tmp_path, monkeypatch):
+    """PR_SET_PDEATHSIG sends the driver SIGTERM when the attempt's process dies, however it dies. Sent
+    here while that process lives and holds the driver's input open (the first shard just reported):
+    the engine must stop at once, failing the attempt, not finish the shards it was given."""
+    inputs = _inputs(tmp_path, lambda out: tiny_llama(out, hidden=128), [0, 2, 3])
+    marker = f"engine-of-{uuid.uuid4()}"
+    monkeypatch.setenv("EAGLE3_TEST_RUN", marker)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    left_after_sigterm: list[list[int]] = []
+
+    def sigterm_the_driver_once(done, total):
+        if left_after_sigterm:
+            return
+        (driver,) = [pid for pid in _orphans(marker) if os.getsid(pid) == pid]  # its session's leader; the attempt runs it
+        assert len(_orphans(marker)) > 1  # the driver and vLLM's own processes
+        os.kill(driver, signal.SIGTERM)
+        left_after_sigterm.append(_gone_within(marker, 20))
+
+    with pytest.raises(RuntimeError, match=r"vLLM's engine exited \(code -?\d+\) before its written reply"):
+        extract_hidden_states(
+            _engine_cfg([0, 2, 3]),
+            inputs.dataset,
+            inputs.verifier,
+            inputs.store,
+            Provenance(),
+            sigterm_the_driver_once,
+            fixed_devices(["0"]),
+        )
+
+    assert left_after_sigterm == [[]]
+    assert len(list((inputs.store.root / "shards").glob("*/done.json"))) == 1  # the shard finished before it stays for a re-run

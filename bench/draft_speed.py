@@ -12,8 +12,8 @@ plainly greedy, then speculatively at k with each proposer of `eagle3.evaluation
 `eager` (`Eagle3Proposer`, every step launched from Python), `static` (`StaticEagle3Proposer`:
 fixed KV buffers; on a GPU each round replayed as one CUDA graph) and `compiled` (the same, each
 step's layers and head fused by torch.compile before the capture; its compile time is printed).
-Each decodes one prompt untimed first (warm-up, graph captures); every output must equal plain
-greedy's. The random draft has no norm before its fc layer (trained drafts do: one fused kernel more);
+Each records the graph of every pass and round shape its decodes replay, then decodes one prompt
+untimed (warm-up); every output must equal plain greedy's. The random draft has no norm before its fc layer (trained drafts do: one fused kernel more);
 `--fc-norm` gives it EAGLE 3.1's per-layer norms instead.
 
 `--checkpoint DIR` decodes with a trained draft the pipeline exported instead, beside its verifier
@@ -221,6 +221,7 @@ def main() -> None:
     forward = on.forward(capture, args.max_new_tokens)
     warm_up, timed = on.prompts[:1], on.prompts[1:]
 
+    forward.record_graphs(args.k + 1)
     decode(forward, None, warm_up, args.max_new_tokens, args.k, on.eos_ids)
     rows = {"greedy": decode(forward, None, timed, args.max_new_tokens, args.k, on.eos_ids)}
     proposers = {"eager": Eagle3Proposer(draft), "static": StaticEagle3Proposer(draft, max_len, compiled=False)}
@@ -228,6 +229,7 @@ def main() -> None:
     proposers["compiled"] = StaticEagle3Proposer(draft, max_len, compiled=True)
     compile_s = time.perf_counter() - start
     for name, proposer in proposers.items():
+        proposer.record_graphs(args.k)
         decode(forward, proposer, warm_up, args.max_new_tokens, args.k, on.eos_ids)
         rows[name] = decode(forward, proposer, timed, args.max_new_tokens, args.k, on.eos_ids)
         rows[name]["outputs_equal_greedy"] = rows[name]["outputs"] == rows["greedy"]["outputs"]

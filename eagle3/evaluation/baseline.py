@@ -212,17 +212,18 @@ def _measured_here(done: dict, measured_on: str, done_log: Path) -> dict:
     return {i: entry for i, entry in done.items() if entry["measured_on"] == measured_on}
 
 
-def decode_remaining(num_prompts: int, forward, done: dict, done_log: Path, desc: str, decode) -> dict:
+def decode_remaining(num_prompts: int, forward, done: dict, done_log: Path, desc: str, decode, record_graphs) -> dict:
     """Entries for all `num_prompts` prompts: those in `done` decoded on the device and with the kind
     of `forward` (`eagle3.verifier.forward`), and `decode(i)` (a dict of figures) for each other
-    prompt i, appended to `done_log` as it finishes. With CUDA graphs, the first prompt to decode is
-    decoded once untimed before: greedy's passes are recorded by the forward's probe, and the other
-    pass lengths and draft rounds would otherwise be recorded inside the timed decodes, slowing the
-    draft's and n-gram's tokens/s against greedy's."""
+    prompt i, appended to `done_log` as it finishes. With CUDA graphs, `record_graphs()` first
+    captures every pass and round shape the decodes will replay, and the first prompt to decode is
+    decoded once untimed (its prompt's eager pass, the allocator's first blocks): a graph captured
+    inside a timed decode would slow the draft's and n-gram's tokens/s against greedy's."""
     name = f"{device_name(forward.device)}; {forward.kind}"
     done = _measured_here(done, name, done_log)
     if forward.graphs and (todo := [i for i in range(num_prompts) if i not in done]):
-        decode(todo[0])  # untimed: the CUDA graphs of every pass and round shape, recorded on first use, not timed with a prompt
+        record_graphs()
+        decode(todo[0])
     with open(done_log, "a") as log, tqdm(total=num_prompts, initial=len(done), desc=desc, unit="prompt") as bar:
         for i in range(num_prompts):
             if i not in done:
@@ -242,7 +243,7 @@ def _decode_prompts(on: DecodingModel, cfg: EvalConfig, done: dict, done_log: Pa
         ngram = {k: speculative_decode(forward, NgramProposer(), prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
         return {"greedy": asdict(greedy), "ngram": {str(k): asdict(stats) for k, stats in ngram.items()}}
 
-    return decode_remaining(len(on.prompts), forward, done, done_log, "baselines", decode)
+    return decode_remaining(len(on.prompts), forward, done, done_log, "baselines", decode, lambda: forward.record_graphs(max(cfg.ks) + 1))
 
 
 def measure_baselines(

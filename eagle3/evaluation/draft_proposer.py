@@ -49,6 +49,9 @@ class Eagle3Proposer:
         self.positions = 0  # how many positions the cache holds
         self.last: torch.Tensor | None = None  # step 0's output at the last of them
 
+    def record_graphs(self, k: int) -> None:
+        """Nothing to record: eager rounds (`StaticEagle3Proposer` replays graphs)."""
+
     def observe(self, states: torch.Tensor) -> None:
         """The verifier's aux states [tokens, 3, H] from its latest pass, of the tokens it confirmed
         there: the context's last token it was fed and the drafts it accepted. They trail the context
@@ -251,16 +254,40 @@ class StaticEagle3Proposer(Eagle3Proposer):
             raise ValueError(f"a draft round at {self.positions} + {k - 1} positions outgrows the KV buffers of {len(self.columns)}")
         device, dtype = self.columns.device, self.draft.fc.weight.dtype
         tokens, positions = torch.tensor(context[start + 1 :], device=device), self.columns[start : start + m]
-        aux = aux.to(device, dtype)
+        aux = aux.to(device, dtype).reshape(m, -1)
         if self._rounds is None or not start:  # a sequence's first round (the prompt) has a length of its own: no graph
             return self._round(tokens, aux, positions, k, self._compiled_step)
-        return self._rounds(
-            (m, k),
+        return self._replay(tokens, aux, positions, k)
+
+    def _replay(self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+        """`_round` as the graph of its shape (tokens confirmed, k), captured on first use."""
+        return self._rounds(  # type: ignore[misc]  # only with graphs
+            (len(tokens), k),
             lambda tokens, aux, positions: self._round(tokens, aux, positions, k, self._compiled_step),
             tokens=tokens,
             aux=aux,
             positions=positions,
         )
+
+    @torch.inference_mode()
+    def record_graphs(self, k: int) -> None:
+        """Capture the round of every shape a decode at up to `k` drafted tokens replays: 1 .. k + 1
+        tokens confirmed (the drafts accepted and the verifier's own), 1 .. k drafted (fewer where the
+        answer's end is nearer), so that none is captured inside a timed decode; then start a new
+        sequence. Nothing to record without graphs."""
+        if self._rounds is None:
+            return
+        device = self.columns.device
+        with decode_matmuls(device):
+            self._round(torch.zeros(1, dtype=torch.long, device=device), self._no_aux(1), self.columns[:1], 1, self._compiled_step)
+            for m in range(1, k + 2):  # after a first round at position 0, as a decode's rounds follow the prompt's
+                for drafted in range(1, k + 1):
+                    self._replay(torch.zeros(m, dtype=torch.long, device=device), self._no_aux(m), self.columns[1 : m + 1], drafted)
+        self.reset()
+
+    def _no_aux(self, m: int) -> torch.Tensor:
+        """Zero aux states of `m` tokens, [m, 3H], as `_propose` hands them to a round."""
+        return torch.zeros(m, self.draft.fc.in_features, device=self.columns.device, dtype=self.draft.fc.weight.dtype)
 
 
 def proposer_for(draft, forward, max_len: int) -> Eagle3Proposer:

@@ -178,8 +178,12 @@ def _decode_prompts(
         runs = {k: speculative_decode(forward, draft, prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
         return {"runs": {str(k): asdict(run) for k, run in runs.items()}, "correct": correct, "drafted": drafted, "covered": covered}
 
+    def record_graphs() -> None:
+        forward.record_graphs(max(cfg.ks) + 1)
+        draft.record_graphs(max(cfg.ks))
+
     try:
-        return decode_remaining(len(on.prompts), forward, done, done_log, "evaluate", decode)
+        return decode_remaining(len(on.prompts), forward, done, done_log, "evaluate", decode, record_graphs)
     finally:
         capture.close()
 

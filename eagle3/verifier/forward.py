@@ -182,6 +182,9 @@ class DynamicForward:
         """Forget the last `n` tokens."""
         drop_last(self.cache, n)
 
+    def record_graphs(self, max_tokens: int) -> None:
+        """Nothing to record: eager passes."""
+
 
 class FixedCache(Cache):
     """K/V buffers of `max_len` positions per layer, written at `positions` (a device tensor the caller
@@ -345,6 +348,26 @@ class StaticForward:
             raise ValueError(f"cannot forget {n} of {self.length} tokens")
         self.length -= n
         self.stale = max(self.stale, self.length + n)
+
+    @torch.inference_mode()
+    def record_graphs(self, max_tokens: int) -> None:
+        """Capture every graph a decode of passes of up to `max_tokens` tokens replays (greedy: 1;
+        drafts of k tokens: up to k + 1), and every zeroing those passes meet (a rollback of up to
+        `max_tokens` - 1 tokens, then a pass of at least one), so that none is captured inside a timed
+        decode; then start a new sequence. Nothing to record without graphs."""
+        if not self.graphs:
+            return
+        self.reset()
+        self([0])  # the sequence's first pass: eager, as a prompt's
+        for q in range(1, max_tokens + 1):
+            self([0] * q)
+            self.rollback(q)
+        for zeroed in range(1, max_tokens - 1):
+            self([0] * (zeroed + 1))
+            self.rollback(zeroed + 1)
+            self([0])  # writes one of the forgotten positions, zeroes the others
+            self.rollback(1)
+        self.reset()
 
     def _zero(self, start: int, end: int) -> None:
         """Zero the entries at positions [start, end); on CUDA a captured graph per count."""

@@ -539,21 +539,21 @@ def test_a_speed_up_is_only_over_greedy_decoded_on_the_same_device_and_forward(t
     assert on_h100.model_copy(update={"greedy_measured_on": None}).speed_up(180.0) == 1.8  # recorded before the field was
 
 
-@pytest.mark.parametrize("graphs, decoded", [(True, [1, 1, 2]), (False, [1, 2])])
-def test_with_cuda_graphs_the_first_prompt_to_decode_is_decoded_once_untimed_before_the_timed_ones(tmp_path, graphs, decoded):
-    """Graphs recorded on first use would be timed with the prompt that meets them: the draft's rounds
+@pytest.mark.parametrize("graphs, calls", [(True, ["record", 1, 1, 2]), (False, [1, 2])])
+def test_with_cuda_graphs_every_graph_is_recorded_and_a_prompt_decoded_untimed_before_the_timed_ones(tmp_path, graphs, calls):
+    """A graph recorded on first use would be timed with the prompt that meets it: the draft's rounds
     and pass lengths, not greedy's one-token pass, which the forward's probe records."""
     forward = SimpleNamespace(device=torch.device("cpu"), kind="a forward", graphs=graphs)
-    calls: list[int] = []
+    called: list = []
     logged = {0: {"id": 0, "measured_on": f"{baseline.device_name(forward.device)}; a forward", "seconds": 1.0}}  # resumed
 
     def decode(i: int) -> dict:
-        calls.append(i)
+        called.append(i)
         return {"seconds": 1.0}
 
-    done = baseline.decode_remaining(3, forward, logged, tmp_path / DONE_LOG, "test", decode)
+    done = baseline.decode_remaining(3, forward, logged, tmp_path / DONE_LOG, "test", decode, lambda: called.append("record"))
 
-    assert calls == decoded and sorted(done) == [0, 1, 2]
+    assert called == calls and sorted(done) == [0, 1, 2]
     assert [json.loads(line)["id"] for line in (tmp_path / DONE_LOG).read_text().splitlines()] == [1, 2]  # each once
 
 

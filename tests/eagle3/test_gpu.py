@@ -122,9 +122,19 @@ def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_
     assert isinstance(forward, StaticForward) and forward.graphs
     graphed = proposer_for(draft_model, forward, len(prompt) + 32 + 5)
     assert isinstance(graphed, StaticEagle3Proposer) and graphed.graphs and graphed.compiled
+    forward.record_graphs(6)
+    graphed.record_graphs(5)
+    recorded = _captured(forward, graphed)
+    assert recorded == {
+        "passes": set(range(1, 7)),
+        "clears": set(range(1, 5)),
+        "rounds": {(confirmed, drafted) for confirmed in range(1, 7) for drafted in range(1, 6)},
+    }
     for proposer in (Eagle3Proposer(draft_model), graphed):
         for k in (1, 3, 5):
             assert speculative_decode(forward, proposer, prompt, 32, k, set()).tokens == reference.tokens
+            assert speculative_decode(forward, NgramProposer(), prompt, 32, k, set()).tokens == reference.tokens
+    assert _captured(forward, graphed) == recorded  # the decodes replayed only graphs recorded before them
 
     # A replayed round drafts what the same round run without a graph drafts, round after round,
     # with its steps compiled or not (compiled against eager steps may round an argmax apart).
@@ -137,6 +147,11 @@ def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_
                 drafted[proposer] = _rounds(forward, proposer, prompt)
         assert drafted[replayed] == drafted[direct], compiled
         assert replayed._rounds.captured, "rounds after the first replay graphs"
+
+
+def _captured(forward: StaticForward, proposer: StaticEagle3Proposer) -> dict[str, set]:
+    """The shapes whose graphs each has captured: the verifier's passes and zeroings, the draft's rounds."""
+    return {"passes": set(forward._passes.captured), "clears": set(forward._clears.captured), "rounds": set(proposer._rounds.captured)}
 
 
 def _rounds(forward, proposer, prompt: list[int]) -> list[list[int]]:

@@ -264,7 +264,7 @@ def main() -> None:
         "static_rounds": static_kind,
         "compile_s": compile_s,
         "checkpoint": str(args.checkpoint) if args.checkpoint else None,
-        "prompts": str(source),
+        "prompts": str(args.prompts) if args.prompts else f"eagle3/data/{source.name} (the package's)",
         "verifier_layers": args.verifier_layers,
         "draft_layers": args.draft_layers,
         "draft_vocab": args.draft_vocab,

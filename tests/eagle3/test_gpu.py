@@ -189,7 +189,7 @@ def test_cuda_graph_replays_compute_what_eager_passes_compute(tiny_verifier):
         out.append(read([45, 46, 47, 48]))  # replays it at new positions, over the two forgotten entries
         forward.rollback(3)
         for buffer in (*forward.cache.keys.values(), *forward.cache.values.values()):
-            buffer[:, :, forward.length :] = float("nan")  # what an overflow in the forgotten tokens would leave
+            buffer[:, :, forward.length : forward.stale] = float("nan")  # what an overflow in the forgotten tokens would leave
         out += [read([49]), read([50])]  # captures and replays 1, after zeroing the two forgotten entries it leaves
         assert not any(buffer[:, :, forward.length :].any() for buffer in (*forward.cache.keys.values(), *forward.cache.values.values()))
         return out

@@ -220,7 +220,7 @@ class StaticEagle3Proposer(Eagle3Proposer):
         return self._head(hidden[:, -1:])
 
     def _round(self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, k: int, step=None) -> torch.Tensor:
-        """Step 0 over `tokens` [m] (each after the token whose aux states [m, 3, H] it reads) at
+        """Step 0 over `tokens` [m] (each after the token whose aux states [m, 3H] it reads) at
         `positions` [m], then the chain: the k drafted tokens [k] (verifier ids). `step`: what runs
         each step's layers and head (`_step`, or its compiled form). Nothing here synchronizes with
         the host, so a round can be captured whole."""
@@ -274,14 +274,15 @@ class StaticEagle3Proposer(Eagle3Proposer):
         """Capture the round of every shape a decode at up to `k` drafted tokens replays: 1 .. k + 1
         tokens confirmed (the drafts accepted and the verifier's own), 1 .. k drafted (fewer where the
         answer's end is nearer), so that none is captured inside a timed decode; then start a new
-        sequence. Nothing to record without graphs."""
+        sequence. Nothing to record without graphs. Rounds that do not fit the buffers after a one-token
+        prompt cannot come up in a decode either: they are left out."""
         if self._rounds is None:
             return
         device = self.columns.device
         with decode_matmuls(device):
             self._round(torch.zeros(1, dtype=torch.long, device=device), self._no_aux(1), self.columns[:1], 1, self._compiled_step)
             for m in range(1, k + 2):  # after a first round at position 0, as a decode's rounds follow the prompt's
-                for drafted in range(1, k + 1):
+                for drafted in range(1, min(k, len(self.columns) - m) + 1):  # step 0 at 1 .. m, the chain up to m + drafted - 1
                     self._replay(torch.zeros(m, dtype=torch.long, device=device), self._no_aux(m), self.columns[1 : m + 1], drafted)
         self.reset()
 

@@ -354,15 +354,17 @@ class StaticForward:
         """Capture every graph a decode of passes of up to `max_tokens` tokens replays (greedy: 1;
         drafts of k tokens: up to k + 1), and every zeroing those passes meet (a rollback of up to
         `max_tokens` - 1 tokens, then a pass of at least one), so that none is captured inside a timed
-        decode; then start a new sequence. Nothing to record without graphs."""
+        decode; then start a new sequence. Nothing to record without graphs. Shapes that do not fit the
+        buffers after a one-token prompt cannot come up in a decode either: they are left out."""
         if not self.graphs:
             return
         self.reset()
         self([0])  # the sequence's first pass: eager, as a prompt's
-        for q in range(1, max_tokens + 1):
+        room = self.cache.max_len - 1
+        for q in range(1, min(max_tokens, room) + 1):
             self([0] * q)
             self.rollback(q)
-        for zeroed in range(1, max_tokens - 1):
+        for zeroed in range(1, min(max_tokens - 1, room)):
             self([0] * (zeroed + 1))
             self.rollback(zeroed + 1)
             self([0])  # writes one of the forgotten positions, zeroes the others

@@ -12,6 +12,7 @@ import re
 import signal
 import time
 import uuid
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -320,29 +321,52 @@ def test_a_failure_on_the_flow_s_side_stops_the_engine_s_processes_with_the_atte
     assert _gone_within(marker, 20) == []  # vLLM's engine core and workers went with the attempt, not only its driver
 
 
+def _session_leader(pids: list[int]) -> list[int]:
+    leaders = []
+    for pid in pids:
+        with suppress(ProcessLookupError):  # gone since it was listed
+            if os.getsid(pid) == pid:
+                leaders.append(pid)
+    return leaders
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_the_engine_s_driver_takes_the_engine_along_on_the_sigterm_its_parent_s_death_sends(tmp_path, monkeypatch):
     """PR_SET_PDEATHSIG sends the driver SIGTERM when the attempt's process dies, however it dies. Sent
-    here while that process lives and holds the driver's input open (the first shard just reported):
-    the engine must stop at once, failing the attempt, not finish the shards it was given."""
+    here after the first shard is reported, with the attempt's process stopped (SIGSTOP) so that it
+    holds the driver's input open and sends no more work: only the driver's handler can stop the
+    engine, and the attempt, continued, fails on the engine's death by that handler's SIGKILL (code -9;
+    Python's default action would report -15) with no shard published after the signal."""
     inputs = _inputs(tmp_path, lambda out: tiny_llama(out, hidden=128), [0, 2, 3])
     marker = f"engine-of-{uuid.uuid4()}"
     monkeypatch.setenv("EAGLE3_TEST_RUN", marker)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    shards = inputs.store.root / "shards"
+    published_at_sigterm: list[int] = []
     left_after_sigterm: list[list[int]] = []
 
     def sigterm_the_driver_once(done, total):
-        if left_after_sigterm:
+        if published_at_sigterm:
             return
-        (driver,) = [pid for pid in _orphans(marker) if os.getsid(pid) == pid]  # its session's leader; the attempt runs it
-        assert len(_orphans(marker)) > 1  # the driver and vLLM's own processes
+        (driver,) = _session_leader(_orphans(marker))  # the attempt started it in a session of its own
+        attempt = _parent(driver)
+        assert attempt is not None and len(_orphans(marker)) > 1  # the driver and vLLM's own processes
+        os.kill(attempt, signal.SIGSTOP)
+        while not _stopped(attempt):
+            time.sleep(0.01)
+        published_at_sigterm.append(len(list(shards.glob("*/done.json"))))
         os.kill(driver, signal.SIGTERM)
         left_after_sigterm.append(_gone_within(marker, 20))
+        os.kill(attempt, signal.SIGCONT)
 
-    with pytest.raises(RuntimeError, match=r"vLLM's engine exited \(code -?\d+\) before its written reply"):
+    with pytest.raises(RuntimeError, match=r"vLLM's engine exited \(code -9\) before its written reply"):
         extract_hidden_states(
-            _engine_cfg([0, 2, 3]),
+            _engine_cfg([0, 2, 3]).model_copy(update={"records_per_shard": 2}),  # 5 shards: some left when the first reports
             inputs.dataset,
             inputs.verifier,
             inputs.store,
@@ -352,4 +376,5 @@ def test_the_engine_s_driver_takes_the_engine_along_on_the_sigterm_its_parent_s_
         )
 
     assert left_after_sigterm == [[]]
-    assert len(list((inputs.store.root / "shards").glob("*/done.json"))) == 1  # the shard finished before it stays for a re-run
+    assert 1 <= published_at_sigterm[0] < 5
+    assert len(list(shards.glob("*/done.json"))) == published_at_sigterm[0]  # those finished before stay for a re-run

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from eagle3.config import ConfigError, load_config, store_path
@@ -367,8 +368,18 @@ def _print_result(result) -> None:
         )
     else:
         _print_evaluation(result)
-    print(f"{result.lineage.changes} Lineage: eagle3 lineage {result.lineage.run_id}")
-    print(f"replay: eagle3 run --config {result.lineage.config_file}")
+    print(f"{result.lineage.changes} Lineage: {_this_command()} lineage {result.lineage.run_id}")
+    print(f"replay: {_this_command()} run --config {result.lineage.config_file}")
+
+
+def _this_command() -> str:
+    """How to run this command again from here: `eagle3` where the shell finds this one by that
+    name, else the path it was started by (`.venv/bin/eagle3`, as the README runs it)."""
+    started = sys.argv[0]
+    if os.path.basename(started) != "eagle3":  # `python -m eagle3.cli`
+        return "eagle3"
+    found = shutil.which("eagle3")
+    return "eagle3" if found and os.path.realpath(found) == os.path.realpath(started) else started
 
 
 def _print_evaluation(result) -> None:

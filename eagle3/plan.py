@@ -495,7 +495,7 @@ def make_plan(config: PipelineConfig, costs: bool = True) -> Plan:
         steps=_steps(config, sizes, memory, stored),
         hidden_state_bytes_per_token=bytes_per_token(text_config(hf_config).hidden_size, config.extract.storage),
         hidden_state_storage="online" if config.train.hidden_states == "online" else config.extract.storage,
-        store_dir=config.store_dir,
+        store_dir=str(store_path(config.store_dir)),
     )
     if budget is not None:
         plan.gpus_needed_bf16 = sizes.gpus(torch.bfloat16, budget)

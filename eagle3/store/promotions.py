@@ -94,8 +94,9 @@ class PromotionRecord(BaseModel):
             return f"not promoted: {measured}: no drafted token was accepted, so the draft saves no verifier pass"
         if self.beats_ngram is False:
             return (
-                f"not promoted: {measured} does not beat n-gram prompt lookup's tau {self.ngram_tau:.3f} on the same prompts "
-                f"by more than {self.min_gain_over_ngram}: not worth serving, since n-gram lookup needs no training"
+                f"not promoted: {measured} does not beat n-gram prompt lookup's tau {self.ngram_tau:.3f} on the same prompts"
+                + (f" by more than {self.min_gain_over_ngram}" if self.min_gain_over_ngram else "")
+                + ": not worth serving, since n-gram lookup needs no training"
             )
         unchecked_ngram = "; n-gram lookup not measured here, so not compared" if self.beats_ngram is None else ""
         if self.best_earlier_tau is None:

@@ -307,3 +307,12 @@ def test_online_training_refuses_a_verifier_that_one_gpu_cannot_hold(tmp_path):
     with pytest.raises(ConfigError, match=r"train \(the verifier needs 2 GPU\(s\) and online training holds it on one"):
         check_verifier_fits(config)
     check_verifier_fits(config.model_copy(update={"stop_after": "hidden_states"}))  # a run that stops before training
+
+
+def test_the_plan_names_the_store_the_run_would_use(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+
+    plan = make_plan(load_config(None, [f"verifier.path={LLAMA_8B}", "dataset.max_records=10"]))
+
+    assert plan.store_dir == str(tmp_path / "data" / "eagle3-pipeline" / "store")  # the default, where this host keeps it
+    assert f"store       {plan.store_dir}: " in plan.render()

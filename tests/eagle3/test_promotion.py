@@ -276,9 +276,11 @@ def test_a_draft_that_does_not_beat_ngram_lookup_is_not_promoted_even_as_the_fir
 
     assert not record.promoted and record.beats_ngram is False and record.ngram_tau == 1.45
     assert record.summary() == (
-        "not promoted: tau 1.100 at k=3 on 4 prompts does not beat n-gram prompt lookup's tau 1.450 on the same prompts "
-        "by more than 0.0: not worth serving, since n-gram lookup needs no training"
+        "not promoted: tau 1.100 at k=3 on 4 prompts does not beat n-gram prompt lookup's tau 1.450 on the same prompts: "
+        "not worth serving, since n-gram lookup needs no training"
     )
+    with_margin = record.model_copy(update={"min_gain_over_ngram": 0.5})
+    assert "the same prompts by more than 0.5: not worth serving" in with_margin.summary()
     assert promoted_checkpoints(store) == []
 
 

@@ -151,7 +151,8 @@ def _verify(args) -> int:
         print(f"removed {len(removed)} artifacts/shards: the next run computes them again")
     elif damaged:
         print(
-            "eagle3 artifacts verify --remove deletes them (and the artifacts listing a damaged shard): the next run computes them again",
+            f"{_this_command()} artifacts verify --remove deletes them (and the artifacts listing a damaged shard): "
+            "the next run computes them again",
             file=sys.stderr,
         )
     print(f"checked {checked} artifacts and shards: {len(damaged)} damaged", file=sys.stderr)

@@ -225,6 +225,9 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
         train_data_ratio=cfg.train_data_ratio,
         seed=cfg.seed,
     )
+    if device.type != "cuda":
+        for loader in (train_loader, val_loader):
+            loader.pin_memory = False  # speculators pins for a GPU; without one torch warns on every epoch
     if spec.online_storage is not None:
         from eagle3.training.online_transfer import feed
 

@@ -360,6 +360,10 @@ def _dataset_tokens(config: PipelineConfig, source: Path) -> tuple[int, int, str
             tokenizer = load_tokenizer(source, config.verifier.trust_remote_code)
         except Exception:  # a config-only directory (planning ahead of a download): estimate from characters
             tokenizer = None
+    elif source.suffix == ".gguf":  # the tokenizer is in its header, as the config is
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     data = dataset_source(config.dataset)
     limit = config.dataset.max_records
     if config.regenerate.enabled:  # assistant turns are the verifier's own, at most max_new_tokens each

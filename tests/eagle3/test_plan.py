@@ -198,6 +198,13 @@ def test_a_gguf_verifier_s_estimates_come_from_the_steps_run_on_its_converted_di
     assert verifier.digest != verifier.parents["source"]  # the steps' parent is the conversion, not the file
     rate = 2 / regenerated.seconds
     assert plan.estimates == [f"regenerate  {2 / rate / 3600:,.1f} h at {rate:,.2f} records/s (artifact {regenerated.digest[:12]})"]
+    converted = make_plan(
+        load_config(
+            None, [f"verifier.path={verifier.path}", f"dataset.path={prompts}", "regenerate.enabled=true", "regenerate.max_new_tokens=4"]
+        ),
+        costs=True,
+    )
+    assert plan.tokens_from.startswith("tokenized") and plan.dataset_tokens == converted.dataset_tokens  # the GGUF header's tokenizer
 
 
 def test_a_run_whose_verifier_cannot_fit_its_gpus_fails_before_loading_with_the_plan(tmp_path, needs_kimi):

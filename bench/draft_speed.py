@@ -13,8 +13,9 @@ plainly greedy, then speculatively at k with each proposer of `eagle3.evaluation
 fixed KV buffers; on a GPU each round replayed as one CUDA graph) and `compiled` (the same, each
 step's layers and head fused by torch.compile before the capture; its compile time is printed).
 Each records the graph of every pass and round shape its decodes replay, then decodes one prompt
-untimed (warm-up); every output must equal plain greedy's. The random draft has no norm before its fc layer (trained drafts do: one fused kernel more);
-`--fc-norm` gives it EAGLE 3.1's per-layer norms instead.
+untimed (warm-up); every output must equal plain greedy's. The random draft has no norm before its
+fc layer (trained drafts do: one fused kernel more); `--fc-norm` gives it EAGLE 3.1's per-layer
+norms instead.
 
 `--checkpoint DIR` decodes with a trained draft the pipeline exported instead, beside its verifier
 (`--verifier`, default the pipeline's: SmolLM2-135M-Instruct's GGUF), on `--prompts` (default the

@@ -369,8 +369,9 @@ def _print_result(result) -> None:
         )
     else:
         _print_evaluation(result)
-    print(f"{result.lineage.changes} Lineage: {_this_command()} lineage {result.lineage.run_id}")
-    print(f"replay: {_this_command()} run --config {result.lineage.config_file}")
+    command = _this_command()
+    print(f"{result.lineage.changes} Lineage: {command} lineage {result.lineage.run_id}")
+    print(f"replay: {command} run --config {result.lineage.config_file}")
 
 
 def _this_command() -> str:

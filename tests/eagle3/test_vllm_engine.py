@@ -280,9 +280,14 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command's name: state, parent pid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _parent(pid: int) -> int | None:
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        return int(_stat(pid)[1])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -303,7 +308,6 @@ def _gone_within(marker: str, seconds: float) -> list[int]:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_a_failure_on_the_flow_s_side_stops_the_engine_s_processes_with_the_attempt(tmp_path, monkeypatch):
-
     inputs = _inputs(tmp_path, lambda out: tiny_llama(out, hidden=128), [0, 2, 3])
     marker = f"engine-of-{uuid.uuid4()}"
     monkeypatch.setenv("EAGLE3_TEST_RUN", marker)
@@ -321,7 +325,7 @@ def test_a_failure_on_the_flow_s_side_stops_the_engine_s_processes_with_the_atte
     assert _gone_within(marker, 20) == []  # vLLM's engine core and workers went with the attempt, not only its driver
 
 
-def _session_leader(pids: list[int]) -> list[int]:
+def _session_leaders(pids: list[int]) -> list[int]:
     leaders = []
     for pid in pids:
         with suppress(ProcessLookupError):  # gone since it was listed
@@ -331,7 +335,7 @@ def _session_leader(pids: list[int]) -> list[int]:
 
 
 def _stopped(pid: int) -> bool:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    return _stat(pid)[0] == "T"
 
 
 @pytest.mark.vllm
@@ -353,7 +357,7 @@ def test_the_engine_s_driver_takes_the_engine_along_on_the_sigterm_its_parent_s_
     def sigterm_the_driver_once(done, total):
         if published_at_sigterm:
             return
-        (driver,) = _session_leader(_orphans(marker))  # the attempt started it in a session of its own
+        (driver,) = _session_leaders(_orphans(marker))  # the attempt started it in a session of its own
         attempt = _parent(driver)
         assert attempt is not None and len(_orphans(marker)) > 1  # the driver and vLLM's own processes
         os.kill(attempt, signal.SIGSTOP)

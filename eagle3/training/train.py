@@ -178,10 +178,13 @@ def _read_new_lines(path: Path, offset: int) -> tuple[list[dict], int]:
 
 def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) -> OutOfMemory | None:
     """One attempt as `torchrun` with a process per GPU; returns where memory ran out, if it did.
-    Progress is read from the metrics log the rank-0 process appends to. `torch.compile`'s cache
+    Progress is read from the metrics log the rank-0 process appends to, and shown as a bar of
+    steps (the workers' own bars go to train.log) and a log line per validated epoch. `torch.compile`'s cache
     goes to `compile_cache` unless TORCHINDUCTOR_CACHE_DIR is set: compiling the draft cold takes
     minutes on an H200, against seconds for epochs of steps, and /tmp may not outlive the machine."""
-    from eagle3.training.train_worker import report_step
+    from tqdm import tqdm
+
+    from eagle3.training.train_worker import report_record
 
     spec_file = spec.work / "spec.json"
     atomic_write_text(spec_file, spec.model_dump_json())
@@ -199,15 +202,26 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) ->
     log_path = spec.work / "train.log"
     # Follow only what this attempt appends (a resumed run's log already holds earlier attempts).
     offset = spec.metrics_log.stat().st_size if spec.metrics_log.exists() else 0
-    with open(log_path, "ab") as log:
+    bar = tqdm(desc="train draft", unit="step")
+
+    def stepped(step: int, total: int, metrics: dict) -> None:
+        if bar.total is None:  # this attempt's first step: a resumed training starts past the earlier attempts' steps
+            bar.reset(total)
+            bar.initial = bar.n = step - 1
+        bar.update(step - bar.n)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+        if on_step is not None:
+            on_step(step, total, metrics)
+
+    with open(log_path, "ab") as log, bar:
         child = subprocess.Popen(dying_with_parent(command), env=env, stdout=log, stderr=subprocess.STDOUT)
         while True:
             code = child.poll()
-            if on_step is not None and spec.metrics_log.exists() and (spec.work / "plan.json").exists():
+            if spec.metrics_log.exists() and (spec.work / "plan.json").exists():
                 total = json.loads((spec.work / "plan.json").read_text())["total_steps"]
                 records, offset = _read_new_lines(spec.metrics_log, offset)
                 for record in records:
-                    report_step(record, total, on_step)
+                    report_record(record, total, spec.cfg, stepped)
             if code is not None:
                 break
             time.sleep(2.0)

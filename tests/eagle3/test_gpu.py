@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -89,7 +90,8 @@ def test_gpu_regeneration_runs_in_a_child_process_and_reports_memory(steps, tmp_
     assert set(manifest.gpu_memory_after_mib) == {"0"}
 
 
-def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_and_decodes(steps):
+def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_and_decodes(steps, caplog, capfd):
+    caplog.set_level(logging.INFO, logger="eagle3.training.train_worker")
     store, verifier, dataset = steps
     hidden = extract_hidden_states(
         ExtractConfig(aux_layer_ids=AUX, device="cuda"),
@@ -109,6 +111,10 @@ def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_
     checkpoint = export_checkpoint(ExportConfig(), draft, verifier, vocab, hidden, store, Provenance())
 
     assert draft.num_steps > 0 and draft.tau_sim >= 1.0 and draft.backoffs == []
+    # The workers' output goes to train.log: the run's own log shows each validated epoch, stderr a bar of steps.
+    validated = [r.getMessage() for r in caplog.records if r.name == "eagle3.training.train_worker"]
+    assert [line.split(":")[1] for line in validated] == [" epoch 1 of 2 validated", " epoch 2 of 2 validated"]
+    assert f"{draft.num_steps}/{draft.num_steps}" in capfd.readouterr().err
     assert "recompile_limit" not in (draft.path / "train.log").read_text()  # dynamo's warning when a frame stops compiling
     assert set(draft.gpu_memory_after_mib) == set(gpus)
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:

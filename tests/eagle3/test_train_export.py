@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -142,7 +143,12 @@ def test_training_draws_its_curves_into_the_draft(draft):
     assert len(colors) > 50
 
 
-def test_interrupted_training_resumes_from_the_last_epoch_checkpoint(inputs):
+def _validated_epochs(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "eagle3.training.train_worker"]
+
+
+def test_interrupted_training_resumes_from_the_last_epoch_checkpoint(inputs, caplog):
+    caplog.set_level(logging.INFO, logger="eagle3.training.train_worker")
     store, verifier, dataset, hidden, vocab = inputs
     provenance = Provenance(config={"run": "resume"})
     seen = []
@@ -157,7 +163,9 @@ def test_interrupted_training_resumes_from_the_last_epoch_checkpoint(inputs):
 
     with pytest.raises(Killed):
         train_draft(TRAIN, dataset, hidden, vocab, verifier, store, provenance, on_step=die_in_second_epoch)
+    killed_log = _validated_epochs(caplog)
     resumed = []
+    caplog.clear()
 
     manifest = train_draft(TRAIN, dataset, hidden, vocab, verifier, store, provenance, on_step=lambda s, t, m: resumed.append(s))
 
@@ -165,6 +173,14 @@ def test_interrupted_training_resumes_from_the_last_epoch_checkpoint(inputs):
     assert 1 < resumed[0] <= seen[-1]
     assert resumed == list(range(resumed[0], resumed[0] + len(resumed)))
     assert [e["epoch"] for e in manifest.epochs] == [0, 1, 2]
+    # The log says how far the killed run got, and the resumed run's epochs with the figures the draft records.
+    first, *later = manifest.epochs
+    assert killed_log == [
+        f"train draft: epoch 1 of 3 validated: tau_sim {first['tau_sim']:.3f}, loss {first['val_loss']:.3f}, "
+        f"acceptance by TTT step {first['cond_acc_0']:.3f} / {first['cond_acc_1']:.3f} / {first['cond_acc_2']:.3f}"
+    ]
+    assert [line.split(":")[1] for line in _validated_epochs(caplog)] == [" epoch 2 of 3 validated", " epoch 3 of 3 validated"]
+    assert [f"tau_sim {e['tau_sim']:.3f}" in line for e, line in zip(later, _validated_epochs(caplog))] == [True, True]
 
 
 def test_a_signal_mid_training_fails_the_step_and_keeps_finished_epochs(inputs):

@@ -26,6 +26,9 @@ import pytest
 # waits for needs. Three tiny trainings side by side on two cores took 216 s spinning, 59 s so;
 # one alone takes as long either way (13.6 s, 13.8 s).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# As `eagle3 run` and the deployments set it, before Prefect configures its logging on import: the library's
+# records go to the run's log on the server.
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -248,6 +248,26 @@ def test_changing_only_batch_knobs_file_locations_or_settings_of_an_unused_backe
     assert result.checkpoint.digest == first.checkpoint.digest
 
 
+def test_the_runs_log_in_prefect_shows_each_validated_training_epoch(shared_first_run):
+    """The library's INFO lines reach the flow run's log that the UI shows (they were dropped at the
+    root's WARNING level): here the training's progress, one line per validated epoch."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    config, first = shared_first_run
+    only_this_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(first.lineage.run_id)]))
+    deadline, epochs = time.monotonic() + 30, []  # logs reach the server in batches
+    while not epochs and time.monotonic() < deadline:
+        with get_client(sync_client=True) as client:
+            epochs = [log.message for log in client.read_logs(log_filter=only_this_run) if "validated: tau_sim" in log.message]
+        time.sleep(0.5)
+
+    assert config.train.epochs == 1
+    assert [line.split(", loss")[0] for line in epochs] == [
+        f"train draft: epoch 1 of 1 validated: tau_sim {first.checkpoint.tau_sim:.3f}"  # the one epoch is the one shipped
+    ]
+
+
 def test_a_prefect_setup_without_the_cached_results_reuses_the_stores_artifacts_and_computes_nothing(
     shared_first_run, tmp_path, monkeypatch
 ):
@@ -259,11 +279,9 @@ def test_a_prefect_setup_without_the_cached_results_reuses_the_stores_artifacts_
 
     config, first = shared_first_run
     monkeypatch.setenv(FAULT_OOM_ENV, "1")  # a step that extracted or trained anything would fail
-    reused = LogSeen("the store already holds it for these inputs")
+    reused = LogSeen("the store already holds it for these inputs")  # at INFO, the level the tasks give the library
     store_log = logging.getLogger("eagle3.store.artifacts")
     store_log.addHandler(reused)
-    level = store_log.level
-    store_log.setLevel(logging.INFO)
 
     try:
         with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: str(tmp_path / "fresh-results")}):
@@ -271,7 +289,6 @@ def test_a_prefect_setup_without_the_cached_results_reuses_the_stores_artifacts_
             third, states_again = _run(config)
     finally:
         store_log.removeHandler(reused)
-        store_log.setLevel(level)
 
     assert states == dict.fromkeys(STEPS, "Completed")  # no cached result: each task ran, and found its artifact
     kinds = {"baseline", "dataset", "hidden_states", "vocab_mapping", "draft", "checkpoint", "evaluation"}

@@ -18,10 +18,11 @@ __all__ = ["exit_cleanly_on_sigterm", "set_prefect_defaults", "tracebacks_to"]
 def set_prefect_defaults() -> None:
     """Defaults the environment can still override: a temporary server that may start slowly on two
     cores, no telemetry (offline GPU hosts log its failures, and its writes contend for the server's
-    SQLite file), library warnings in the run's log."""
+    SQLite file), the library's log lines in the run's log."""
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # outside a run (`eagle3 plan`): the terminal only
 
 
 EXIT_DEADLINE_S = 8.0  # after SIGTERM; a run must be gone within 10 s however the signal came

@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # As `eagle3 run` and the deployments set it, before Prefect configures its logging on import: the library's
 # records go to the run's log on the server.
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

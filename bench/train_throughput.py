@@ -4,6 +4,7 @@ and against training on online states.
     python bench/train_throughput.py                    # Llama-3.1-8B width, 4 layers, random weights
     python bench/train_throughput.py --samples 16 --epochs 1   # a quick smoke run
     python bench/train_throughput.py --layers 32 --sides pipeline online   # offline against online, 8B verifier
+    python bench/train_throughput.py --gpus 4 --samples 384   # DDP on GPUs 0-3: as many steps per GPU as one GPU of the default
 
 Both sides train the same EAGLE-3 draft (1 layer, draft vocab 32000, 3 TTT steps, flex attention,
 fused loss, 8192-token batches) on the same hidden states, extracted once by the pipeline from a
@@ -176,6 +177,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--total-seq-len", type=int, default=8192)
     parser.add_argument("--draft-vocab-size", type=int, default=32000)
+    parser.add_argument("--gpus", type=int, default=1, help="train data-parallel on GPUs 0..N-1 (DDP, one torchrun process each)")
     parser.add_argument(
         "--sides", nargs="+", choices=SIDES, default=["pipeline", "direct"], help="what to train (the first is the reference)"
     )
@@ -193,7 +195,8 @@ def main() -> None:
     aux = [1, args.layers // 2, args.layers - 1]
     extract = ExtractConfig(aux_layer_ids=aux, device="cuda")
     vocab = build_vocab_mapping(VocabConfig(draft_vocab_size=args.draft_vocab_size), dataset, VOCAB, store, Provenance())
-    cfg = TrainConfig(epochs=args.epochs, total_seq_len=args.total_seq_len, device="cuda")
+    cfg = TrainConfig(epochs=args.epochs, total_seq_len=args.total_seq_len, device="cuda", num_gpus=args.gpus)
+    gpus = [str(i) for i in range(args.gpus)]
     hidden = None
     if {"pipeline", "direct"} & set(args.sides):
         hidden = extract_hidden_states(extract, dataset, verifier, store, Provenance(), claim=fixed_devices(["0"]))
@@ -201,13 +204,13 @@ def main() -> None:
     rows = {}
     for side in args.sides:
         if side == "pipeline":
-            rows[side] = train_pipeline(cfg, dataset, hidden, vocab, verifier, store)
+            rows[side] = train_pipeline(cfg, dataset, hidden, vocab, verifier, store, gpus)
         elif side == "online":
             online_store = ArtifactStore(root / "online-store")
             states = online_states(
                 extract, dataset, verifier, online_store, online_states_provenance(online_store, extract, dataset, verifier)
             )
-            rows[side] = train_pipeline(cfg, dataset, states, vocab, verifier, online_store)
+            rows[side] = train_pipeline(cfg, dataset, states, vocab, verifier, online_store, gpus)
             rows[side]["hidden_state_bytes_on_disk"] = sum(f.stat().st_size for f in online_store.root.rglob("hs_*.safetensors"))
         else:
             rows[side] = train_direct(args, cfg, dataset, hidden, vocab, verifier, root / "direct", aux)
@@ -228,6 +231,7 @@ def main() -> None:
             "seq_len": args.seq_len,
             "epochs": args.epochs,
             "total_seq_len": args.total_seq_len,
+            "gpus": args.gpus,
         },
         **rows,
         "tokens_per_s_over_reference": {side: rows[side]["tokens_per_s"] / rows[reference]["tokens_per_s"] for side in args.sides},
@@ -235,7 +239,8 @@ def main() -> None:
     }
     print(
         f"{result['device']}: draft for a {args.layers}-layer verifier of H4096 / vocab {VOCAB}, draft vocab "
-        f"{args.draft_vocab_size}, {args.samples} x {args.seq_len} tokens, {args.epochs} epochs, batches of {args.total_seq_len} tokens"
+        f"{args.draft_vocab_size}, {args.samples} x {args.seq_len} tokens, {args.epochs} epochs, batches of {args.total_seq_len} tokens, "
+        f"{args.gpus} GPU(s)"
     )
     print(f"  {'':<10} {'tok/s/GPU':>10} {'/ ' + reference:>12} {'steps':>6} {'wall s':>8} {'peak MiB':>9}")
     for side in args.sides:
@@ -254,10 +259,10 @@ def main() -> None:
         Path(args.json).write_text(line + "\n")
 
 
-def train_pipeline(cfg, dataset, hidden_states, vocab, verifier, store) -> dict:
+def train_pipeline(cfg, dataset, hidden_states, vocab, verifier, store, gpus: list[str]) -> dict:
     start = time.perf_counter()
     with PeakMemory() as memory:
-        draft = train_draft(cfg, dataset, hidden_states, vocab, verifier, store, Provenance(), claim=fixed_devices(["0"]))
+        draft = train_draft(cfg, dataset, hidden_states, vocab, verifier, store, Provenance(), claim=fixed_devices(gpus))
     return {
         "tokens_per_s": draft.tokens_per_s,
         "steps": draft.num_steps,
@@ -289,13 +294,13 @@ def train_direct(args, cfg, dataset, hidden, vocab, verifier, work: Path, aux: l
                 "-m",
                 "torch.distributed.run",
                 "--standalone",
-                "--nproc-per-node=1",
+                f"--nproc-per-node={args.gpus}",
                 __file__,
                 "--direct-worker",
                 str(work / "spec.json"),
             ],
             check=True,
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(args.gpus)))},
         )
     return {
         "tokens_per_s": median_tokens_per_s(spec.timing_log),

@@ -1,4 +1,4 @@
-"""Draft-training throughput on one GPU: the pipeline's training step against speculators' own CLI entry,
+"""Draft-training throughput on one GPU (or N, data-parallel): the pipeline's training step against speculators' own CLI entry,
 and against training on online states.
 
     python bench/train_throughput.py                    # Llama-3.1-8B width, 4 layers, random weights

@@ -6,7 +6,7 @@ Layout under the store root:
     work/<step>-<key>/             a step's unfinished output, kept across crashes for resume
     locks/                         a lock file per work directory or hidden-state shard in use (or left by a killed run)
     published/<kind>-<key>         the digest of the artifact published for a step's provenance key
-    compile-cache/                 torch.compile's and Triton's caches for GPU training (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR)
+    compile-cache/                 torch.compile's cache for GPU training (TORCHINDUCTOR_CACHE_DIR)
     file-digests.json              memo of streamed file digests by path (memo_tag: size, times, inode)
 
 An artifact's digest is the sha256 over its files' relative paths and contents, so two runs

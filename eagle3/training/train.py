@@ -181,10 +181,7 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) ->
     Progress is read from the metrics log the rank-0 process appends to, and shown as a bar of
     steps (the workers' own bars go to train.log) and a log line per validated epoch. `torch.compile`'s cache
     goes to `compile_cache` unless TORCHINDUCTOR_CACHE_DIR is set: compiling the draft cold takes
-    minutes on an H200, against seconds for epochs of steps, and /tmp may not outlive the machine.
-    Triton's own cache goes there too (unless TRITON_CACHE_DIR is set), with the autotuners' choices
-    (TRITON_CACHE_AUTOTUNING): speculators' fused-loss kernels are Triton kernels outside inductor,
-    autotuned over a dozen tiles at every start unless the choice is kept."""
+    minutes on an H200, against seconds for epochs of steps, and /tmp may not outlive the machine."""
     from tqdm import tqdm
 
     from eagle3.training.train_worker import report_record
@@ -201,13 +198,7 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) ->
         "eagle3.training.train_worker",
         str(spec_file),
     ]
-    env = {
-        "TORCHINDUCTOR_CACHE_DIR": str(compile_cache),
-        "TRITON_CACHE_DIR": str(compile_cache / "triton"),
-        "TRITON_CACHE_AUTOTUNING": "1",
-        **os.environ,
-        "CUDA_VISIBLE_DEVICES": ",".join(gpus),
-    }
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(compile_cache), **os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
     log_path = spec.work / "train.log"
     # Follow only what this attempt appends (a resumed run's log already holds earlier attempts).
     offset = spec.metrics_log.stat().st_size if spec.metrics_log.exists() else 0

@@ -119,8 +119,6 @@ def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_
     assert set(draft.gpu_memory_after_mib) == set(gpus)
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         assert any((store.root / "compile-cache").rglob("*.py")), "torch.compile's cache is kept with the store"
-    if "TRITON_CACHE_DIR" not in os.environ:  # speculators' fused-loss kernels and the tile their autotuner chose
-        assert any((store.root / "compile-cache" / "triton").rglob("*.autotune.json")), "Triton's autotune choices are kept"
     model = load_text_model(verifier.path, torch.float32, "cuda")
     capture = HiddenStateCapture(model.get_decoder(), AUX)
     draft_model = load_draft(checkpoint.path, verifier.path, torch.device("cuda")).float()

@@ -57,6 +57,7 @@ from eagle3.runtime.attempts import (
     Progress,
     read_backoffs,
     run_attempt,
+    submit_in_context,
     worker_backoff_log,
 )
 from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, inference_mode, resolve_device
@@ -315,7 +316,7 @@ def _regenerate_by_transformers(
     logs = [work / DONE_LOG] + [work / f"done.{w}.jsonl" for w in range(1, len(workers))]
     with ThreadPoolExecutor(len(workers), thread_name_prefix="regenerate-worker") as pool:
         futures = [
-            pool.submit(_regenerate_on, share, cfg, verifier, log, worker_backoff_log(work, w), worker, records_done)
+            submit_in_context(pool, _regenerate_on, share, cfg, verifier, log, worker_backoff_log(work, w), worker, records_done)
             for w, (share, log, worker) in enumerate(zip(_shares(todo, cfg.batch_size, len(workers)), logs, workers))
         ]
     return [taken for future in futures for taken in future.result()]

@@ -48,7 +48,16 @@ from eagle3.extraction.shards import HiddenStatesManifest, code_step, hs_path, s
 from eagle3.extraction.storage import room_problem
 from eagle3.extraction.vllm_engine import EngineStates, engine_identity
 from eagle3.extraction.writer import OverlappedWriter
-from eagle3.runtime.attempts import NO_GPU, BatchBackoff, GpuClaim, OutOfMemory, Progress, run_attempt, worker_backoff_log
+from eagle3.runtime.attempts import (
+    NO_GPU,
+    BatchBackoff,
+    GpuClaim,
+    OutOfMemory,
+    Progress,
+    run_attempt,
+    submit_in_context,
+    worker_backoff_log,
+)
 from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, inference_mode, resolve_device
 from eagle3.runtime.faults import simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
@@ -388,7 +397,8 @@ def _extract_on_workers(
     fails lets the others finish their attempts (what they finish is kept), then its error is raised."""
     with ThreadPoolExecutor(len(workers), thread_name_prefix="extract-worker") as pool:
         futures = [
-            pool.submit(
+            submit_in_context(
+                pool,
                 _extract_free_shards,
                 plan,
                 todo[start:] + todo[:start],

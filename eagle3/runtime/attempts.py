@@ -18,6 +18,7 @@ again at the setting it reached: at scale each attempt reloads the verifier, whi
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import logging
 import multiprocessing as mp
@@ -28,6 +29,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,6 +49,7 @@ __all__ = [
     "fixed_devices",
     "read_backoffs",
     "run_attempt",
+    "submit_in_context",
     "worker_backoff_log",
 ]
 
@@ -60,6 +63,13 @@ logger = logging.getLogger(__name__)
 BACKOFF_LOG = "backoffs.jsonl"
 """Where a step's work directory lists the back-offs taken so far: a re-run of a killed or failed step
 starts at the batch setting they left, instead of running out of memory at the configured one again."""
+
+
+def submit_in_context(pool: Executor, fn: Callable[..., Result], *args: Any) -> Future[Result]:
+    """`pool.submit(fn, *args)` run in a copy of the caller's context variables. A pool thread starts
+    with none, and a workflow engine's run context is one (Prefect's): records a data-parallel worker's
+    thread logs, its children's forwarded among them, then reach the run's log instead of the terminal only."""
+    return pool.submit(contextvars.copy_context().run, fn, *args)
 
 
 def worker_backoff_log(directory: Path, worker: int) -> Path:

@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -207,7 +208,7 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) ->
     def stepped(step: int, total: int, metrics: dict) -> None:
         if bar.total is None:  # this attempt's first step: a resumed training starts past the earlier attempts' steps
             bar.reset(total)
-            bar.initial = bar.n = step - 1
+            bar.initial = bar.n = bar.last_print_n = step - 1  # tqdm's rate counts from last_print_n
         bar.update(step - bar.n)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
         if on_step is not None:
@@ -221,7 +222,8 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) ->
                 total = json.loads((spec.work / "plan.json").read_text())["total_steps"]
                 records, offset = _read_new_lines(spec.metrics_log, offset)
                 for record in records:
-                    report_record(record, total, spec.cfg, stepped)
+                    with bar.external_write_mode() if "val" in record else nullcontext():  # the epoch's line above the bar
+                        report_record(record, total, spec.cfg, stepped)
             if code is not None:
                 break
             time.sleep(2.0)

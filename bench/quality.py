@@ -37,7 +37,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.config import ConfigError, PipelineConfig, load_config
-from tasks.gpu import ensure_gpu_limit
 from tasks.settings import exit_cleanly_on_sigterm, set_prefect_defaults
 
 SIZES = {
@@ -520,10 +519,11 @@ def main() -> None:
     prompt_counts = _counts("--eval-prompts", args.eval_prompts, [*args.eval_sets, *own_eval_sets], parser)
     earlier = _compare_dirs(args.compare, [*args.eval_sets, *own_eval_sets], parser)
 
-    set_prefect_defaults()
+    set_prefect_defaults()  # before Prefect is imported: it reads its logging settings then
     from eagle3.store.artifacts import ArtifactStore
     from eagle3.store.files import digest_file
     from flows.train_draft import train_eagle3_draft
+    from tasks.gpu import ensure_gpu_limit
 
     store, data = args.store.resolve(), args.data.resolve()
     if any(item.startswith("evaluate.prompts_path") for item in args.set):

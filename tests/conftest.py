@@ -26,11 +26,6 @@ import pytest
 # waits for needs. Three tiny trainings side by side on two cores took 216 s spinning, 59 s so;
 # one alone takes as long either way (13.6 s, 13.8 s).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# As `eagle3 run` and the deployments set it, before Prefect configures its logging on import: the library's
-# records go to the run's log on the server.
-os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "eagle3")
-os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
-
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import (
@@ -44,6 +39,12 @@ from tiny_models import (
     tiny_qwen3_moe,
     tiny_qwen3_vl_moe,
 )
+
+from tasks.settings import set_prefect_defaults
+
+# As `eagle3 run` sets them, before Prefect configures its logging on import (nothing above imports it):
+# the library's records go to the run's log on the server.
+set_prefect_defaults()
 
 # Under pytest-xdist (pyproject's addopts: `-n`, `--dist loadgroup`) each group of tests runs on
 # one worker: a test module, so that its module-scoped fixtures (a trained draft, a vLLM engine)

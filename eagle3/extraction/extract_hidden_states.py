@@ -59,7 +59,7 @@ from eagle3.runtime.attempts import (
     worker_backoff_log,
 )
 from eagle3.runtime.devices import compute_dtype, free_device_memory, gpu_memory_used_mib, inference_mode, resolve_device
-from eagle3.runtime.faults import simulate_oom_above
+from eagle3.runtime.faults import pause_after_shards, simulate_oom_above
 from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.store.artifacts import SERVED_STATES, ArtifactError, ArtifactStore, log_reuse, step_provenance
 from eagle3.store.files import atomic_write_text, fsync, remove_tree
@@ -267,6 +267,7 @@ def _extract_attempt(spec: ExtractAttempt, on_progress: Progress) -> AttemptOutc
     source = _Source(spec, input_ids, table.column("record_id").to_pylist())
     writer = OverlappedWriter(source.device, spec.storage)
     busy: list[int] = []
+    finished = 0
     try:
         with tqdm(total=sum(len(input_ids[i]) for s in spec.todo for i in s.records), desc="extract hidden states", unit="tok") as progress:
             for shard in spec.todo:
@@ -295,6 +296,8 @@ def _extract_attempt(spec: ExtractAttempt, on_progress: Progress) -> AttemptOutc
                         return AttemptOutcome(busy=busy, oom=oom)
                     _finish_shard(spec, writer, partial, shard, input_ids)
                 on_progress(shard.index, True)
+                finished += 1
+                pause_after_shards(finished)
     finally:
         writer.close()
         source.close()

@@ -29,6 +29,7 @@ from eagle3.extraction.extract_hidden_states import extract_hidden_states
 from eagle3.extraction.shards import HiddenStatesManifest, hidden_state_files, shard_key
 from eagle3.extraction.vllm_engine import EngineStates
 from eagle3.runtime.attempts import fixed_devices
+from eagle3.runtime.faults import FAULT_PAUSE_AFTER_SHARDS_ENV
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.manifests import Provenance
 from eagle3.verifier.loading import load_tokenizer
@@ -342,14 +343,16 @@ def _stopped(pid: int) -> bool:
 @pytest.mark.slow
 def test_the_engine_s_driver_takes_the_engine_along_on_the_sigterm_its_parent_s_death_sends(tmp_path, monkeypatch):
     """PR_SET_PDEATHSIG sends the driver SIGTERM when the attempt's process dies, however it dies. Sent
-    here after the first shard is reported, with the attempt's process stopped (SIGSTOP) so that it
-    holds the driver's input open and sends no more work: only the driver's handler can stop the
-    engine, and the attempt, continued, fails on the engine's death by that handler's SIGKILL (code -9;
-    Python's default action would report -15) with no shard published after the signal."""
+    here with the attempt's process stopped after its first shard (it stops itself there: SIGSTOP by
+    the pause fault, so no timing decides where), holding the driver's input open and sending no more
+    work: only the driver's handler can stop the engine, and the attempt, continued, fails on the
+    engine's death by that handler's SIGKILL (code -9; Python's default action would report -15) with
+    no shard published after the signal."""
     inputs = _inputs(tmp_path, lambda out: tiny_llama(out, hidden=128), [0, 2, 3])
     marker = f"engine-of-{uuid.uuid4()}"
     monkeypatch.setenv("EAGLE3_TEST_RUN", marker)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv(FAULT_PAUSE_AFTER_SHARDS_ENV, "1")
     shards = inputs.store.root / "shards"
     published_at_sigterm: list[int] = []
     left_after_sigterm: list[list[int]] = []
@@ -360,7 +363,6 @@ def test_the_engine_s_driver_takes_the_engine_along_on_the_sigterm_its_parent_s_
         (driver,) = _session_leaders(_orphans(marker))  # the attempt started it in a session of its own
         attempt = _parent(driver)
         assert attempt is not None and len(_orphans(marker)) > 1  # the driver and vLLM's own processes
-        os.kill(attempt, signal.SIGSTOP)
         while not _stopped(attempt):
             time.sleep(0.01)
         published_at_sigterm.append(len(list(shards.glob("*/done.json"))))
@@ -370,7 +372,7 @@ def test_the_engine_s_driver_takes_the_engine_along_on_the_sigterm_its_parent_s_
 
     with pytest.raises(RuntimeError, match=r"vLLM's engine exited \(code -9\) before its written reply"):
         extract_hidden_states(
-            _engine_cfg([0, 2, 3]).model_copy(update={"records_per_shard": 2}),  # 5 shards: some left when the first reports
+            _engine_cfg([0, 2, 3]).model_copy(update={"records_per_shard": 2}),  # 5 shards: 4 left at the pause
             inputs.dataset,
             inputs.verifier,
             inputs.store,
@@ -380,5 +382,5 @@ def test_the_engine_s_driver_takes_the_engine_along_on_the_sigterm_its_parent_s_
         )
 
     assert left_after_sigterm == [[]]
-    assert 1 <= published_at_sigterm[0] < 5
+    assert published_at_sigterm == [1]
     assert len(list(shards.glob("*/done.json"))) == published_at_sigterm[0]  # those finished before stay for a re-run

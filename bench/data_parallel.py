@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_throughput import build_dataset
+from bench.random_verifier import save_random_llama
 from eagle3.config import ExtractConfig
 from eagle3.extraction.extract_hidden_states import extract_hidden_states
 from eagle3.runtime.attempts import fixed_devices
@@ -41,28 +42,6 @@ from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.manifests import Provenance
 from eagle3.verifier.loading import load_text_model
 from eagle3.verifier.resolve_verifier import VerifierManifest
-
-VOCAB = 128256  # Llama-3's: the data's random ids come from below 128000
-
-
-def build_verifier(root: Path, args) -> VerifierManifest:
-    """A random-weight Llama of the asked shape, saved in bf16 (built on the CPU: it is loaded by the workers)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        vocab_size=VOCAB,
-        max_position_embeddings=max(8192, args.seq_len),
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(root)
-    return VerifierManifest(path=root, num_hidden_layers=args.layers, hidden_size=args.hidden, vocab_size=VOCAB, nested=False)
 
 
 def default_workers() -> list[str]:
@@ -102,7 +81,15 @@ def load_seconds(verifier: VerifierManifest, device: str) -> float:
 
 
 def run(args, root: Path) -> dict:
-    verifier = build_verifier(root / "verifier", args)
+    verifier, _, _ = save_random_llama(
+        root / "verifier",
+        args.layers,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        max_positions=args.seq_len,
+    )
     dataset = build_dataset(root / "dataset", args.samples, args.seq_len)
     tokens = args.samples * args.seq_len
     load_s = load_seconds(verifier, args.workers[0].split(",")[0])

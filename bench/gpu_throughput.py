@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.random_verifier import save_random_llama
 from eagle3.config import ExtractConfig
 from eagle3.data.prepare_dataset import DatasetManifest
 from eagle3.extraction.extract_hidden_states import extract_hidden_states, prefill_batches
@@ -68,31 +69,6 @@ def matmul_peak_tflops(n: int = 8192, repeats: int = 20) -> float:
         a @ b
         times.append(_sync_time() - start)
     return 2 * n**3 / statistics.median(times) / 1e12
-
-
-def build_verifier(root: Path, layers: int) -> VerifierManifest:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-    )
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(root)
-    params = sum(p.numel() for p in model.parameters())
-    matmul_params = sum(p.numel() for name, p in model.named_parameters() if not name.startswith(("model.embed_tokens.", "lm_head.")))
-    del model
-    torch.cuda.empty_cache()
-    manifest = VerifierManifest(path=root, num_hidden_layers=layers, hidden_size=4096, vocab_size=128256, nested=False)
-    return manifest, params, matmul_params
 
 
 def build_dataset(root: Path, samples: int, seq_len: int) -> DatasetManifest:
@@ -237,7 +213,7 @@ def main() -> None:
 
 def run(args, root: Path) -> None:
     peak = matmul_peak_tflops()
-    verifier, params, matmul_params = build_verifier(root / "verifier", args.layers)
+    verifier, params, matmul_params = save_random_llama(root / "verifier", args.layers, device="cuda")
     dataset = build_dataset(root / "dataset", args.samples, args.seq_len)
     ids = pq.read_table(dataset.path / dataset.files[0]).column("input_ids").to_pylist()
     tokens = args.samples * args.seq_len

@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.random_verifier import VOCAB, save_random_llama
 from eagle3.config import ExtractConfig, TrainConfig, VocabConfig
 from eagle3.data.prepare_dataset import DatasetManifest
 from eagle3.extraction.extract_hidden_states import extract_hidden_states
@@ -61,7 +62,6 @@ from eagle3.training.train_worker import TrainSpec, _collect_metrics, speculator
 from eagle3.training.vocab_mapping import build_vocab_mapping, load_vocab_mapping
 from eagle3.verifier.resolve_verifier import VerifierManifest
 
-VOCAB = 128256
 SIDES = ("pipeline", "direct", "online")
 
 
@@ -69,27 +69,14 @@ def build_verifier(root: Path, layers: int) -> VerifierManifest:
     """Random weights at Llama-3.1-8B width, with a word-level tokenizer that names a mask token."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    config = LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=VOCAB,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-    )
-    with torch.device("cuda"):
-        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(root)
+    verifier, _, _ = save_random_llama(root, layers, device="cuda")
     words = {"<unk>": 0, "<pad>": 1, "<mask>": 2}
     PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(WordLevel(words, unk_token="<unk>")), unk_token="<unk>", pad_token="<pad>", mask_token="<mask>"
     ).save_pretrained(root)
-    torch.cuda.empty_cache()
-    return VerifierManifest(path=root, num_hidden_layers=layers, hidden_size=4096, vocab_size=VOCAB, nested=False)
+    return verifier
 
 
 def build_dataset(root: Path, samples: int, seq_len: int) -> DatasetManifest:

@@ -167,8 +167,8 @@ def _lineage(args) -> int:
     if (store := _existing_store(args.store)) is None:
         return 2
     try:
-        roots, run_id = lineage_roots(store, args.ref)
-        nodes = lineage(store, roots)
+        roots, run_id, parents = lineage_roots(store, args.ref)
+        nodes = lineage(store, roots, parents=parents)
     except ArtifactError as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2

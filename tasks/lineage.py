@@ -9,7 +9,7 @@ from eagle3.config import PipelineConfig
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.lineage import RunLineage, change_summary, lineage, lineage_table, to_mermaid
 from eagle3.store.manifests import ArtifactManifest
-from eagle3.store.runs import record_run, replay_file
+from eagle3.store.runs import record_run, replay_file, run_roots
 
 
 @task(name="publish-lineage", cache_policy=NO_CACHE, persist_result=False)  # nothing pickled: docs/security.md
@@ -21,9 +21,9 @@ def publish_lineage_task(store_dir: str, manifests: list[ArtifactManifest], conf
     when every artifact came from earlier runs)."""
     store = ArtifactStore(store_dir)
     run_id = str(flow_run.id or "local")
-    roots = [m.digest for m in manifests]
-    nodes = lineage(store, roots)
-    record = record_run(store, run_id, roots, config.model_dump(mode="json"))
+    roots = run_roots(manifests)  # with the parents this run handed on: a stored manifest names its first publisher's
+    nodes = lineage(store, list(roots), parents=roots)
+    record = record_run(store, run_id, manifests, config.model_dump(mode="json"))
     summary = change_summary(nodes, run_id)
     get_run_logger().info(summary)
     create_table_artifact(key="lineage", table=lineage_table(nodes, run_id), description=summary)

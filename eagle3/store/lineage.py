@@ -4,10 +4,16 @@ Every manifest names its parents by digest; a parent that is itself an artifact 
 followed, any other (a source file, a verifier directory used in place) is shown as an input.
 Every manifest also names its producer (the flow run and task run that first published it), so
 for one flow run the graph tells what the run produced and what it took from earlier runs.
+
+Equal bytes are one artifact, so a stored manifest names its first publisher's parents: a run
+whose step produced the same bytes from other inputs (a draft trained on records that differ only
+in the validation split) reached it from its own. A run's lineage therefore takes the parents the
+run itself handed on, as its record keeps them, and the store's only beyond them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -34,10 +40,14 @@ def find_artifact(store: ArtifactStore, prefix: str) -> str:
     return matches[0]
 
 
-def lineage(store: ArtifactStore, digests: list[str], leaf_edges: frozenset[str] = frozenset()) -> dict[str, dict]:
+def lineage(
+    store: ArtifactStore, digests: list[str], leaf_edges: frozenset[str] = frozenset(), parents: Mapping[str, dict[str, str]] | None = None
+) -> dict[str, dict]:
     """digest -> manifest (as a dict) for the given artifacts and all their ancestors in the store;
     inputs that are not artifacts appear as {"kind": "input", "name": ...}. A parent reached through
-    an edge named in `leaf_edges` is included without its own ancestors."""
+    an edge named in `leaf_edges` is included without its own ancestors. `parents` (digest -> the
+    parents a run handed on with it) takes the place of the stored manifests' own."""
+    parents = parents or {}
     nodes: dict[str, dict] = {}
     expanded: set[str] = set()  # nodes whose parents are on the stack
     stack = [(d, "artifact", True) for d in digests]
@@ -49,6 +59,8 @@ def lineage(store: ArtifactStore, digests: list[str], leaf_edges: frozenset[str]
                 nodes[digest] = {"kind": "input", "name": name, "digest": digest, "parents": {}}
                 continue
             nodes[digest] = read_manifest_record(path)
+            if digest in parents:
+                nodes[digest]["parents"] = parents[digest]
         if follow and digest not in expanded:  # a node first reached as a leaf is expanded when reached otherwise
             expanded.add(digest)
             stack.extend((parent, edge, edge not in leaf_edges) for edge, parent in nodes[digest].get("parents", {}).items())

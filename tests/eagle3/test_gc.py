@@ -16,8 +16,8 @@ def test_gc_removes_only_what_the_kept_runs_did_not_reach(tmp_path):
     old = publish_text_artifact(store, "draft", "old", {"dataset": dataset.digest}, config={"lr": 1e-3})
     new = publish_text_artifact(store, "draft", "new", {"dataset": dataset.digest}, config={"lr": 3e-4})
     assert sorted(p.read_text() for p in (store.root / "published").iterdir()) == sorted([dataset.digest, old.digest, new.digest])
-    record_run(store, "run-1", [old.digest], {"train": {"lr": 1e-3}})
-    kept = record_run(store, "run-2", [new.digest], {"train": {"lr": 3e-4}})
+    record_run(store, "run-1", [old], {"train": {"lr": 1e-3}})
+    kept = record_run(store, "run-2", [new], {"train": {"lr": 3e-4}})
 
     result = collect_garbage(store, keep_runs=1)
 
@@ -34,20 +34,20 @@ def test_gc_keeps_what_a_run_killed_since_the_oldest_kept_run_published_until_a_
     re-run reuses them."""
     store = ArtifactStore(tmp_path)
     served = publish_text_artifact(store, "draft", "served", {})
-    record_run(store, "run-1", [served.digest])
+    record_run(store, "run-1", [served])
     killed = publish_text_artifact(store, "hidden_states", "extracted, then the run was killed", {})
 
     collect_garbage(store, keep_runs=1)
     assert killed.path.exists()
 
-    record_run(store, "run-2", [served.digest])  # a later run that did not reuse them
+    record_run(store, "run-2", [served])  # a later run that did not reuse them
     collect_garbage(store, keep_runs=1)
     assert not killed.path.exists() and served.path.exists()
 
 
 def test_gc_removes_states_files_an_extracting_server_left_behind(tmp_path):
     store = ArtifactStore(tmp_path)
-    record_run(store, "run-1", [publish_text_artifact(store, "draft", "kept", {}).digest])
+    record_run(store, "run-1", [publish_text_artifact(store, "draft", "kept", {})])
     left = tmp_path / "served-states"
     left.mkdir()
     (left / "cmpl-1.safetensors").write_bytes(b"x" * 100)
@@ -63,7 +63,7 @@ def test_gc_removes_what_killed_extractions_and_killed_removals_left(tmp_path):
     again (records appended, other aux layers) would otherwise stay for good; so would a directory
     a removal renamed away (`remove_tree`) and was killed before deleting."""
     store = ArtifactStore(tmp_path)
-    record_run(store, "run-1", [publish_text_artifact(store, "draft", "kept", {}).digest])
+    record_run(store, "run-1", [publish_text_artifact(store, "draft", "kept", {})])
     shards = tmp_path / "shards"
     finished, partial, half_removed = shards / ("a" * 64), shards / f"{'b' * 64}.partial", shards / f".{'c' * 64}.collected-99"
     half_removed_artifact = tmp_path / "artifacts" / f".{'d' * 64}.damaged-98"
@@ -84,7 +84,7 @@ def test_gc_removes_the_finished_shards_no_kept_run_reached(tmp_path):
     (unreached / "hs_0.safetensors").write_bytes(b"x" * 100)
     (unreached / "done.json").write_text('{"sha256": {}}')  # finished before the kept run
     os.utime(unreached / "done.json", (1, 1))
-    record_run(store, "run-1", [publish_text_artifact(store, "draft", "kept", {}).digest])
+    record_run(store, "run-1", [publish_text_artifact(store, "draft", "kept", {})])
 
     assert collect_garbage(store, keep_runs=1) == {"removed": 1, "bytes": 114, "runs_kept": 1}
     assert not unreached.exists()
@@ -93,7 +93,7 @@ def test_gc_removes_the_finished_shards_no_kept_run_reached(tmp_path):
 def test_gc_dry_run_removes_nothing(tmp_path):
     store = ArtifactStore(tmp_path)
     old = publish_text_artifact(store, "draft", "old", {})
-    record_run(store, "run-1", [publish_text_artifact(store, "draft", "new", {}).digest])
+    record_run(store, "run-1", [publish_text_artifact(store, "draft", "new", {})])
 
     assert collect_garbage(store, keep_runs=1, dry_run=True)["removed"] == 1
     assert old.path.exists()
@@ -101,7 +101,7 @@ def test_gc_dry_run_removes_nothing(tmp_path):
 
 def test_gc_refuses_while_a_flow_uses_the_store(tmp_path):
     store = ArtifactStore(tmp_path)
-    record_run(store, "run-1", [publish_text_artifact(store, "draft", "x", {}).digest])
+    record_run(store, "run-1", [publish_text_artifact(store, "draft", "x", {})])
 
     with store_in_use(store), pytest.raises(ArtifactError, match="a flow is running on this store"):
         collect_garbage(store, keep_runs=1)
@@ -122,8 +122,8 @@ def test_gc_keeps_the_draft_a_kept_run_warm_started_from_but_not_its_ancestry(tm
     old_draft = publish_text_artifact(store, "draft", "week 1 draft", {"dataset": old_data.digest})
     new_data = publish_text_artifact(store, "dataset", "week 2", {})
     new_draft = publish_text_artifact(store, "draft", "week 2 draft", {"dataset": new_data.digest, "init": old_draft.digest})
-    record_run(store, "run-1", [old_draft.digest])
-    record_run(store, "run-2", [new_draft.digest])
+    record_run(store, "run-1", [old_draft])
+    record_run(store, "run-2", [new_draft])
 
     collect_garbage(store, keep_runs=1)
 
@@ -143,7 +143,7 @@ def test_gc_keeps_the_best_promoted_checkpoint_its_evaluation_verifier_and_draft
     other = publish_evaluation(store, "other verifier", {3: 1.7})
     for run, evaluation in (("run-1", best), ("run-2", unpromoted), ("run-3", other)):
         promote(PromotionConfig(), evaluation, store, run)
-        record_run(store, run, [evaluation.digest])
+        record_run(store, run, [evaluation])
 
     collect_garbage(store, keep_runs=1)
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import publish_text_artifact
 
@@ -79,16 +81,40 @@ def test_a_run_id_prefix_resolves_to_the_roots_the_run_recorded(tmp_path):
     store = _store(tmp_path, "5f0c7a2e-run")
     dataset = publish_text_artifact(store, "dataset", "d", {"source": "f" * 64})
     draft = publish_text_artifact(store, "draft", "x", {"dataset": dataset.digest})
-    record_run(store, "5f0c7a2e-run", [dataset.digest, draft.digest])
+    record_run(store, "5f0c7a2e-run", [dataset, draft])
 
-    assert lineage_roots(store, "5f0c") == ([dataset.digest, draft.digest], "5f0c7a2e-run")
-    assert lineage_roots(store, draft.digest[:10]) == ([draft.digest], None)
+    assert lineage_roots(store, "5f0c") == (
+        [dataset.digest, draft.digest],
+        "5f0c7a2e-run",
+        {dataset.digest: {"source": "f" * 64}, draft.digest: {"dataset": dataset.digest}},
+    )
+    assert lineage_roots(store, draft.digest[:10]) == ([draft.digest], None, {})
+
+
+def test_a_run_s_lineage_follows_the_parents_it_handed_on_where_equal_bytes_came_from_other_inputs(tmp_path, capsys):
+    """A draft trained on records that differ only in the validation split is the same bytes: the
+    store keeps the first run's manifest, whose parents are the first run's data. The second run's
+    lineage, record and graph name its own data, and not the first run's."""
+    first_data = publish_text_artifact(_store(tmp_path, "run-1"), "dataset", "week 1", {"source": "a" * 64})
+    first = publish_text_artifact(_store(tmp_path, "run-1"), "draft", "same weights", {"dataset": first_data.digest})
+    record_run(ArtifactStore(tmp_path), "run-1", [first_data, first])
+    data = publish_text_artifact(_store(tmp_path, "run-2"), "dataset", "week 2", {"source": "b" * 64})
+    draft = publish_text_artifact(_store(tmp_path, "run-2"), "draft", "same weights", {"dataset": data.digest})
+    assert draft.digest == first.digest and draft.parents == {"dataset": data.digest}
+
+    record = json.loads(record_run(ArtifactStore(tmp_path), "run-2", [data, draft]).read_text())
+
+    assert record["artifacts"] == sorted([data.digest, draft.digest])  # not the first run's dataset
+    assert main(["lineage", "run-2", "--store", str(tmp_path), "--table"]) == 0
+    out, err = capsys.readouterr()
+    assert f"dataset={data.digest[:12]}" in out and first_data.digest[:12] not in out
+    assert err == "This run produced 1 of its 2 artifacts: dataset.\n"  # the draft's bytes are run-1's
 
 
 def test_eagle3_lineage_of_a_run_id_prints_the_runs_graph(tmp_path, capsys):
     store = _store(tmp_path, "run-1")
     draft = publish_text_artifact(store, "draft", "x", {"source": "f" * 64})
-    record_run(store, "run-1", [draft.digest])
+    record_run(store, "run-1", [draft])
 
     assert main(["lineage", "run-1", "--store", str(tmp_path)]) == 0
 

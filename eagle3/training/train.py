@@ -18,7 +18,7 @@ so small that a record loses supervised tokens (`eagle3.training.packing`).
 
 Output: `checkpoint/` (`config.json` + `model.safetensors` in bf16, as speculators saves them, of the
 epoch with the best simulated acceptance length on the validation split: `eagle3.training.epochs`), `metrics.jsonl` (one line per step and per validation epoch), on GPUs `train.log` (what the
-`torchrun` processes printed, dynamo's warnings included) and `training_curves.png` (loss and
+`torchrun` processes printed, dynamo's warnings included; on the CPU it stays in the work directory) and `training_curves.png` (loss and
 per-TTT-step acceptance by epoch, drawn from `metrics.jsonl`). Step timings stay out of the
 artifact, so identical CPU trainings publish one artifact: the manifest holds their summary
 (`tokens_per_s`, `time_breakdown_s`).
@@ -34,7 +34,7 @@ import shutil
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, redirect_stdout
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -177,14 +177,39 @@ def _read_new_lines(path: Path, offset: int) -> tuple[list[dict], int]:
     return [json.loads(line) for line in complete.splitlines()], offset + len(complete)
 
 
+class _StepBar:
+    """The training's steps as a bar on stderr; `stepped` moves it and calls the caller's `on_step`.
+    A resumed attempt's bar starts past the earlier attempts' steps, and counts its rate from there.
+    An epoch's log line is written with the bar stepped aside (`bar.external_write_mode()`)."""
+
+    def __init__(self, on_step) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(desc="train draft", unit="step")
+        self.on_step = on_step
+
+    def stepped(self, step: int, total: int, metrics: dict) -> None:
+        if self.bar.total is None:  # this attempt's first step
+            self.bar.reset(total)
+            self.bar.initial = self.bar.n = self.bar.last_print_n = step - 1  # tqdm's rate counts from last_print_n
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+        if self.on_step is not None:
+            self.on_step(step, total, metrics)
+
+    def __enter__(self) -> _StepBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
 def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) -> OutOfMemory | None:
     """One attempt as `torchrun` with a process per GPU; returns where memory ran out, if it did.
     Progress is read from the metrics log the rank-0 process appends to, and shown as a bar of
     steps (the workers' own bars go to train.log) and a log line per validated epoch. `torch.compile`'s cache
     goes to `compile_cache` unless TORCHINDUCTOR_CACHE_DIR is set: compiling the draft cold takes
     minutes on an H200, against seconds for epochs of steps, and /tmp may not outlive the machine."""
-    from tqdm import tqdm
-
     from eagle3.training.train_worker import report_record
 
     spec_file = spec.work / "spec.json"
@@ -203,18 +228,7 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) ->
     log_path = spec.work / "train.log"
     # Follow only what this attempt appends (a resumed run's log already holds earlier attempts).
     offset = spec.metrics_log.stat().st_size if spec.metrics_log.exists() else 0
-    bar = tqdm(desc="train draft", unit="step")
-
-    def stepped(step: int, total: int, metrics: dict) -> None:
-        if bar.total is None:  # this attempt's first step: a resumed training starts past the earlier attempts' steps
-            bar.reset(total)
-            bar.initial = bar.n = bar.last_print_n = step - 1  # tqdm's rate counts from last_print_n
-        bar.update(step - bar.n)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
-        if on_step is not None:
-            on_step(step, total, metrics)
-
-    with open(log_path, "ab") as log, bar:
+    with open(log_path, "ab") as log, _StepBar(on_step) as steps:
         child = subprocess.Popen(dying_with_parent(command), env=env, stdout=log, stderr=subprocess.STDOUT)
         while True:
             code = child.poll()
@@ -222,8 +236,8 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) ->
                 total = json.loads((spec.work / "plan.json").read_text())["total_steps"]
                 records, offset = _read_new_lines(spec.metrics_log, offset)
                 for record in records:
-                    with bar.external_write_mode() if "val" in record else nullcontext():  # the epoch's line above the bar
-                        report_record(record, total, spec.cfg, stepped)
+                    with steps.bar.external_write_mode() if "val" in record else nullcontext():  # the epoch's line above the bar
+                        report_record(record, total, spec.cfg, steps.stepped)
             if code is not None:
                 break
             time.sleep(2.0)
@@ -239,15 +253,26 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) ->
 
 
 def _in_process(spec: TrainSpec, on_step) -> OutOfMemory | None:
+    """One attempt in this process (on the CPU), with the bar and epoch lines of `_torchrun`.
+    speculators' own bars (stdout; one per epoch's training and one per validation, counted from
+    epoch 0) go to train.log, as the workers' do under torchrun: they would land among the results.
+    transformers' bar for each epoch's checkpoint write is off meanwhile: it broke the bar of steps."""
     import torch
+    from transformers.utils import logging as transformers_logging
 
     from eagle3.training.train_worker import train_attempt
 
     oom = None
+    bars_were_on = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
     try:
-        train_attempt(spec, on_step)
+        with _StepBar(on_step) as steps, open(spec.work / "train.log", "a") as log, redirect_stdout(log):
+            train_attempt(spec, steps.stepped, steps.bar.external_write_mode)
     except torch.OutOfMemoryError as exc:
         oom = OutOfMemory(error=str(exc).splitlines()[0], where="in a training step")
+    finally:
+        if bars_were_on:
+            transformers_logging.enable_progress_bar()
     return oom  # returned outside the except block, so the error's frames (and tensors) are freed
 
 
@@ -349,7 +374,7 @@ def train_draft(
             shutil.rmtree(out)
         selected = ship_best_epoch(spec.checkpoints, epochs, out / "checkpoint")
         shutil.copy2(spec.metrics_log, out / "metrics.jsonl")
-        if (work / "train.log").exists():  # GPU training is not bit-reproducible anyway; on CPU there is no such log
+        if gpus and (work / "train.log").exists():  # GPU training is not bit-reproducible anyway; a CPU one's log holds timings
             shutil.copy2(work / "train.log", out / "train.log")
         render_training_curves(spec.metrics_log, out / "training_curves.png", cfg.ttt_steps)
         manifest = store.publish(

@@ -19,7 +19,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -179,10 +179,11 @@ def speculators_train_config(spec: TrainSpec):
     )
 
 
-def train_attempt(spec: TrainSpec, on_step=None) -> None:
+def train_attempt(spec: TrainSpec, on_step=None, around_epoch_line=nullcontext) -> None:
     """Train (or resume) into `spec.checkpoints`; rank 0 appends metrics to `spec.metrics_log`.
 
-    `on_step(step, total, metrics)` is called after every optimizer step on rank 0.
+    `on_step(step, total, metrics)` is called after every optimizer step on rank 0, and each
+    validated epoch's log line is written inside `around_epoch_line()` (a bar steps aside).
     """
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
@@ -272,7 +273,8 @@ def train_attempt(spec: TrainSpec, on_step=None) -> None:
         if "val" in record:  # its epoch is done: the run resumes from no earlier checkpoint, and may ship the best
             best = best_epoch(epoch_summaries(read_log(spec.metrics_log), spec.cfg.ttt_steps))
             drop_checkpoints_before(spec.checkpoints, record["epoch"], keep=best)
-        report_record(record, total_steps, spec.cfg, on_step)
+        with around_epoch_line() if "val" in record else nullcontext():
+            report_record(record, total_steps, spec.cfg, on_step)
 
     metrics = _collect_metrics(spec.metrics_log, spec.timing_log, on_record) if rank0 else _no_metrics()
     try:

@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 POOL=eagle3
 .venv/bin/prefect work-pool inspect "$POOL" >/dev/null 2>&1 || .venv/bin/prefect work-pool create "$POOL" --type process
-.venv/bin/eagle3 gpu-limit || echo "no GPU here: CPU runs claim no GPU slots"
+.venv/bin/eagle3 gpu-limit || [ $? -eq 2 ]  # 2: no GPU here, which it says; CPU runs claim no GPU slots
 .venv/bin/prefect --no-prompt deploy --all

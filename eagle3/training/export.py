@@ -19,6 +19,7 @@ import json
 import shutil
 from pathlib import Path
 
+from pydantic import Field
 from safetensors import safe_open
 
 from eagle3.config import ExportConfig
@@ -37,6 +38,8 @@ class ExportManifest(ArtifactManifest):
     kind: str = "checkpoint"
     verifier_name_or_path: str
     tau_sim: float
+    selected_epoch: int | None = Field(None, description="the draft's epoch (from 0) whose weights it holds: the best tau_sim")
+    epochs: int | None = Field(None, description="epochs the draft trained")
 
 
 def _expect(path: Path, field: str, found, expected) -> None:
@@ -131,6 +134,8 @@ def export_checkpoint(
             path=work,
             verifier_name_or_path=name_or_path,
             tau_sim=draft.tau_sim,
+            selected_epoch=draft.selected_epoch,
+            epochs=len(draft.epochs),
             seconds=clock(),
         )
         return store.publish(work, manifest)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from fingerprints import check_pinned, fingerprint_tree
 
 from eagle3.cli import DEMO_DRAFT_NOTE, main
 from eagle3.config import VerifierConfig
+from eagle3.data.prepare_dataset import SAMPLE_CONVERSATIONS
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.promotions import read_promotions
 from eagle3.verifier import resolve_verifier as verifier_module
@@ -36,7 +38,9 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     manifests = _manifests(store)
     checkpoint = Path(manifests["checkpoint"]["path"])
     assert f"checkpoint: {checkpoint}" in printed
-    assert f"(tau_sim): {manifests['checkpoint']['tau_sim']:.3f}" in printed
+    kept = manifests["checkpoint"]["selected_epoch"]
+    assert kept == manifests["draft"]["selected_epoch"] and manifests["checkpoint"]["epochs"] == 3
+    assert f"(tau_sim) on the validation split: {manifests['checkpoint']['tau_sim']:.3f}, epoch {kept + 1} of 3 (the best)" in printed
     verifier = manifests["verifier"]
     assert (verifier["num_hidden_layers"], verifier["hidden_size"], verifier["vocab_size"]) == (30, 576, 49152)
     check_pinned("verifier", fingerprint_tree(Path(verifier["path"]), tmp_path))  # the GGUF file's dequantized directory
@@ -64,6 +68,13 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     assert decision.promoted == decision.beats_ngram  # the first on its eval set: only n-gram lookup can hold it back
     assert (DEMO_DRAFT_NOTE in printed) == (decision.beats_ngram is False)  # a demo draft that loses says it was expected to
     assert (f"serve it: vllm serve {checkpoint}" in printed) == decision.promoted  # and offers no serve line
+
+    own = tmp_path / "own.jsonl"  # the sample's records as a user's own file: every step is cached, by content
+    shutil.copy(SAMPLE_CONVERSATIONS, own)
+    assert main(["run", f"store_dir={store}", f"dataset.path={own}"]) == 0
+    printed = capsys.readouterr().out
+    assert f"checkpoint: {checkpoint}" in printed and "eagle3 k=3: tau" in printed
+    assert DEMO_DRAFT_NOTE not in printed  # a user's own data gets no demo's excuse
 
     def convert_again(gguf: Path, out: Path) -> None:
         raise AssertionError(f"{gguf} was dequantized again")

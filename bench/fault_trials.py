@@ -40,7 +40,7 @@ PHASES = {
     "baselines": (r"Task run 'resolve-verifier-\w+' - Finished", (0.0, 3.0)),
     "extraction": (r"Task run 'prepare-dataset-\w+' - Finished", (0.0, 2.5)),
     "training": (r"Task run 'build-vocab-mapping-\w+' - Finished", (2.0, 25.0)),
-    "validation": (r"Epoch 0 100%", (0.0, 2.5)),  # the training loop's bar done: validation runs next
+    "validation": (r"train draft: 100%", (0.0, 2.5)),  # the bar of steps done: validation runs next
     "export": (r"Task run 'train-draft-\w+' - Finished", (0.0, 0.3)),
     "evaluation": (r"Task run 'export-checkpoint-\w+' - Finished", (0.0, 4.0)),
     "server": (r"temporary Prefect server runs on http://127\.0\.0\.1:\d+", (0.0, 40.0)),
@@ -174,6 +174,8 @@ def main() -> None:
         first = run_cli(tiny_run_args(reference_store, *inputs), home, work / "logs" / "uninterrupted.log")
         if first.returncode != 0:
             raise RuntimeError(f"the uninterrupted run failed: {first.output[-3000:]}")
+        if stale := [phase for phase, (marker, _) in PHASES.items() if not re.search(marker, first.output)]:
+            raise RuntimeError(f"the uninterrupted run's output never opens phase(s) {stale}: their markers in PHASES are out of date")
         reference = (reference_store, artifacts_by_kind(reference_store, newest_run_record(reference_store)))
         phases = list(PHASES)
         rows = []
@@ -196,6 +198,7 @@ def main() -> None:
             )
     totals = {
         "trials": len(rows),
+        "killed_in_their_phase": sum("killed" not in r for r in rows),
         "completed": sum(r["completed"] for r in rows),
         "corrupt": sum(not r["sound"] for r in rows),
         "identical_to_uninterrupted": sum(r["differs"] == [] for r in rows),

@@ -346,7 +346,7 @@ def _run(args) -> int:
                 raise
             print(f"eagle3: {storage_error}", file=sys.stderr)
             return 2
-    _print_result(result, sample_data=config.dataset.path is None)
+    _print_result(result, sample_data=not config.dataset.path)  # as dataset_source reads it: empty is the sample
     return 0
 
 

@@ -9,6 +9,7 @@ from eagle3.evaluation import evaluate as step
 from eagle3.evaluation.baseline import BaselineManifest
 from eagle3.extraction.shards import HiddenStatesManifest
 from eagle3.figures import with_error
+from eagle3.runtime.library_logs import forward_speculators_logs
 from eagle3.training.export import ExportManifest
 from eagle3.verifier.resolve_verifier import VerifierManifest
 from tasks.cache import step_task, task_provenance
@@ -30,6 +31,7 @@ def evaluate_task(
 ) -> step.EvalManifest:
     """`baselines`: of the same verifier, prompts and settings (None: backend 'vllm'); `placement`: the
     verifier's GPU settings."""
+    forward_speculators_logs()  # the draft's speculators code logs into the run's log
     store = run_store(store_dir)
     provenance = task_provenance(
         evaluate_task,

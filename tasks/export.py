@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from eagle3.config import ExportConfig
 from eagle3.extraction.shards import HiddenStatesManifest
+from eagle3.runtime.library_logs import forward_speculators_logs
 from eagle3.training import export as step
 from eagle3.training.train import DraftManifest
 from eagle3.training.vocab_mapping import VocabManifest
@@ -20,6 +21,7 @@ def export_checkpoint_task(
     vocab: VocabManifest,
     hidden_states: HiddenStatesManifest,
 ) -> step.ExportManifest:
+    forward_speculators_logs()  # the draft's speculators code logs into the run's log
     store = run_store(store_dir)
     provenance = task_provenance(
         export_checkpoint_task, store, cfg=cfg, draft=draft, verifier=verifier, vocab=vocab, hidden_states=hidden_states

@@ -8,6 +8,7 @@ from prefect.cache_policies import NO_CACHE
 from eagle3.config import ExtractConfig, TrainConfig
 from eagle3.data.prepare_dataset import DatasetManifest
 from eagle3.extraction.shards import HiddenStatesManifest
+from eagle3.runtime.library_logs import forward_speculators_logs
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.training import online
 from eagle3.training import train as step
@@ -41,6 +42,7 @@ def train_draft_task(
     verifier: VerifierManifest,
     init: step.DraftManifest | None = None,
 ) -> step.DraftManifest:
+    forward_speculators_logs()  # the draft's speculators code logs into the run's log
     store = run_store(store_dir)
     provenance = task_provenance(
         train_draft_task, store, cfg=cfg, dataset=dataset, hidden_states=hidden_states, vocab=vocab, verifier=verifier, init=init

@@ -193,7 +193,7 @@ class _StepBar:
             self.bar.reset(total)
             self.bar.initial = self.bar.n = self.bar.last_print_n = step - 1  # tqdm's rate counts from last_print_n
         self.bar.update(step - self.bar.n)
-        self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+        self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=step == total)  # the last step shows at once: validation follows
         if self.on_step is not None:
             self.on_step(step, total, metrics)
 

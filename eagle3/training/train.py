@@ -34,7 +34,7 @@ import shutil
 import subprocess
 import sys
 import time
-from contextlib import nullcontext, redirect_stdout
+from contextlib import redirect_stdout
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -236,8 +236,7 @@ def _torchrun(spec: TrainSpec, gpus: list[str], on_step, compile_cache: Path) ->
                 total = json.loads((spec.work / "plan.json").read_text())["total_steps"]
                 records, offset = _read_new_lines(spec.metrics_log, offset)
                 for record in records:
-                    with steps.bar.external_write_mode() if "val" in record else nullcontext():  # the epoch's line above the bar
-                        report_record(record, total, spec.cfg, steps.stepped)
+                    report_record(record, total, spec.cfg, steps.stepped, steps.bar.external_write_mode)
             if code is not None:
                 break
             time.sleep(2.0)

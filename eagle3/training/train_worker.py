@@ -71,23 +71,25 @@ class TrainSpec(BaseModel):
         return self.work / "checkpoints"
 
 
-def report_record(record: dict, total_steps: int, cfg: TrainConfig, on_step) -> None:
+def report_record(record: dict, total_steps: int, cfg: TrainConfig, on_step, around_epoch_line=nullcontext) -> None:
     """Pass a metrics record that ends an optimizer step to `on_step(step, total, metrics)`, and log
-    one that ends an epoch's validation: under torchrun the workers' output goes to train.log, so
-    these lines are what the run's log shows of a training's progress, on a cut-off run how far it got."""
+    one that ends an epoch's validation, inside `around_epoch_line()` (a bar steps aside): under
+    torchrun the workers' output goes to train.log, so these lines are what the run's log shows of a
+    training's progress, on a cut-off run how far it got."""
     if "train" in record and on_step is not None:
         on_step(record["global_step"] + 1, total_steps, record["train"])
     elif "val" in record:
         (epoch,) = epoch_summaries([record], cfg.ttt_steps)
         acceptance = " / ".join(f"{epoch[f'cond_acc_{k}']:.3f}" for k in range(cfg.ttt_steps))
-        log.info(
-            "train draft: epoch %d of %d validated: tau_sim %.3f, loss %.3f, acceptance by TTT step %s",
-            epoch["epoch"] + 1,
-            cfg.epochs,
-            epoch["tau_sim"],
-            epoch["val_loss"],
-            acceptance,
-        )
+        with around_epoch_line():
+            log.info(
+                "train draft: epoch %d of %d validated: tau_sim %.3f, loss %.3f, acceptance by TTT step %s",
+                epoch["epoch"] + 1,
+                cfg.epochs,
+                epoch["tau_sim"],
+                epoch["val_loss"],
+                acceptance,
+            )
 
 
 @contextmanager
@@ -273,8 +275,7 @@ def train_attempt(spec: TrainSpec, on_step=None, around_epoch_line=nullcontext) 
         if "val" in record:  # its epoch is done: the run resumes from no earlier checkpoint, and may ship the best
             best = best_epoch(epoch_summaries(read_log(spec.metrics_log), spec.cfg.ttt_steps))
             drop_checkpoints_before(spec.checkpoints, record["epoch"], keep=best)
-        with around_epoch_line() if "val" in record else nullcontext():
-            report_record(record, total_steps, spec.cfg, on_step)
+        report_record(record, total_steps, spec.cfg, on_step, around_epoch_line)
 
     metrics = _collect_metrics(spec.metrics_log, spec.timing_log, on_record) if rank0 else _no_metrics()
     try:

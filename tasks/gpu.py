@@ -8,6 +8,13 @@ with the host's GPU count. Slots are released when the step fails; those of a ki
 when its lease expires (`LEASE_SECONDS`; the holder renews it while alive), and `prefect gcl update gpu --active-slots 0`
 frees leaked ones by hand. Device locks are per-host flocks, released by the kernel on kill.
 
+Only a server that outlives the run returns a killed holder's slots: Prefect's lease reaper does
+not run in a temporary server (the one `eagle3 run` starts, or Prefect's own), and the next run's
+temporary server knows nothing of the dead one's leases, so the slots would stay taken in the
+shared database for good and every later GPU step on the host would wait for them (a resumed GPU
+run, after `timeout` had stopped the one before, waited 5 minutes, twice). With a temporary server
+every run is on this host, so its device locks alone keep runs apart, and no slot is taken.
+
 The steps that run the verifier themselves claim `verifier.num_gpus` (`verifier_claim`; those that
 decode with it in their own process only one where it fits one GPU, `decoding_claim`); how they use
 them (a replica per GPU, or the layers spread over all) is theirs to decide, and changes no output:
@@ -16,6 +23,7 @@ their cache keys leave those settings out (`without_placement`).
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,6 +42,7 @@ from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.manifests import Provenance
 from eagle3.verifier.placement import gpus_to_decode
 from eagle3.verifier.resolve_verifier import VerifierManifest
+from tasks.temporary_server import TEMPORARY_API_URL
 
 __all__ = [
     "GPU_LIMIT",
@@ -41,6 +50,7 @@ __all__ = [
     "decoding_claim",
     "ensure_gpu_limit",
     "gpu_slots",
+    "persistent_server",
     "set_gpu_limit",
     "verifier_claim",
     "without_placement",
@@ -50,9 +60,22 @@ GPU_LIMIT = "gpu"
 LEASE_SECONDS = 60.0  # the server's minimum: a killed holder's slots return this soon
 
 
+def persistent_server() -> bool:
+    """Whether runs talk to a server that outlives them: PREFECT_API_URL names one, and not the
+    temporary one `eagle3 run` started (with no URL Prefect starts a temporary one of its own)."""
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    return bool(url) and url != os.environ.get(TEMPORARY_API_URL)
+
+
 @contextmanager
 def gpu_slots(count: int) -> Iterator[None]:
-    """Hold `count` slots of the server's `gpu` limit while the block runs."""
+    """Hold `count` slots of the server's `gpu` limit while the block runs; none with a temporary
+    server (see the module's docstring)."""
+    if not persistent_server():
+        yield
+        return
     try:
         with concurrency(GPU_LIMIT, occupy=count, strict=True, lease_duration=LEASE_SECONDS):
             yield
@@ -112,9 +135,11 @@ def set_gpu_limit(slots: int) -> None:
 
 
 def ensure_gpu_limit(gpus: int | None = None) -> None:
-    """Create the `gpu` limit with `gpus` slots (default: the GPUs this host sees) if the server has
-    none, so a GPU host's first `eagle3 run` needs no setup; an existing limit is left as its owner
-    set it (`eagle3 gpu-limit`)."""
+    """Create the `gpu` limit with `gpus` slots (default: the GPUs this host sees) if a persistent
+    server has none, so a GPU host's first `eagle3 run` needs no setup; an existing limit is left as
+    its owner set it (`eagle3 gpu-limit`)."""
+    if not persistent_server():
+        return
     gpus = gpu_count() if gpus is None else gpus
     if gpus < 1:
         return

@@ -28,7 +28,9 @@ from pathlib import Path
 
 from eagle3.runtime.attempts import dying_with_parent
 
-__all__ = ["TemporaryServer", "preload_flow_engine", "start_temporary_server"]
+__all__ = ["TEMPORARY_API_URL", "TemporaryServer", "preload_flow_engine", "start_temporary_server"]
+
+TEMPORARY_API_URL = "EAGLE3_TEMPORARY_API_URL"  # the URL of the server `eagle3 run` started (`tasks.gpu` asks)
 
 PORT_IN_USE = 3  # uvicorn's exit code when another process took the port first
 STOP_WAIT_S = 3.0  # then SIGKILL: SQLite survives it, and a run must be gone within 10 s of SIGTERM
@@ -119,7 +121,7 @@ class TemporaryServer:
                     "`prefect server start` and set PREFECT_API_URL"
                 )
             time.sleep(0.1)
-        os.environ["PREFECT_API_URL"] = self.api_url
+        os.environ["PREFECT_API_URL"] = os.environ[TEMPORARY_API_URL] = self.api_url
         os.environ.setdefault("PREFECT_UI_URL", "")  # it serves no UI: no "View at <url>" lines that lead nowhere
         prefect.context.refresh_global_settings_context()
         print(

@@ -5,15 +5,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from eagle3.cli import main
-from tasks.gpu import GPU_LIMIT, LEASE_SECONDS, claim_gpus, ensure_gpu_limit, gpu_slots
+from tasks.gpu import GPU_LIMIT, LEASE_SECONDS, claim_gpus, ensure_gpu_limit, gpu_slots, persistent_server
+from tasks.temporary_server import TEMPORARY_API_URL
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.e2e
 
@@ -116,3 +121,42 @@ def test_a_killed_holders_slots_return_when_its_lease_expires(no_gpu_limit, pref
     assert _active_slots() == 0
     with gpu_slots(1):
         assert _active_slots() == 1
+
+
+def test_only_a_server_named_by_prefect_api_url_and_not_started_by_the_run_is_persistent(monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    monkeypatch.delenv(TEMPORARY_API_URL, raising=False)
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
+        assert persistent_server()
+        monkeypatch.setenv(TEMPORARY_API_URL, "http://127.0.0.1:4200/api")  # `eagle3 run` started it
+        assert not persistent_server()
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):  # Prefect starts a temporary server of its own
+        assert not persistent_server()
+
+
+HOLD = """
+import sys, time
+from tasks.settings import set_prefect_defaults
+set_prefect_defaults()
+from tasks.gpu import ensure_gpu_limit, gpu_slots
+ensure_gpu_limit(1)
+with gpu_slots(1):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_with_a_temporary_server_a_killed_runs_claim_does_not_hold_back_the_next_run(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", TEMPORARY_API_URL)}
+    env["PREFECT_HOME"] = str(tmp_path)
+    first = subprocess.Popen(
+        [sys.executable, "-c", HOLD, "600"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert first.stdout.readline().strip() == "held"
+    os.killpg(first.pid, signal.SIGKILL)  # the run and its temporary server, as when a job's processes are killed
+    first.wait()
+
+    second = subprocess.run([sys.executable, "-c", HOLD, "0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+
+    assert second.stdout.strip() == "held", second.stderr[-3000:]

@@ -121,10 +121,14 @@ class _ToParent(logging.Handler):
         self.send("log", (record.name, record.levelno, record.getMessage()))
 
 
-def _child_main(fn: Callable, spec: BaseModel, visible_devices: list[str] | None, conn, parent_pid: int, log_level: int) -> None:
+def _child_main(
+    fn: Callable, spec: BaseModel, visible_devices: list[str] | None, env: dict[str, str], conn, parent_pid: int, log_level: int
+) -> None:
     die_with_parent(parent_pid)
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, visible_devices))
+    for name, value in env.items():  # before the child's first CUDA call, which reads them; the user's own win
+        os.environ.setdefault(name, value)
     sending = threading.Lock()  # records also come from the step's worker threads
 
     def send(kind: str, payload: Any) -> None:
@@ -150,17 +154,24 @@ def _child_main(fn: Callable, spec: BaseModel, visible_devices: list[str] | None
 
 
 def run_attempt(
-    fn: Callable[[Spec, Progress], Result], spec: Spec, visible_devices: list[str] | None, on_progress: Progress | None = None
+    fn: Callable[[Spec, Progress], Result],
+    spec: Spec,
+    visible_devices: list[str] | None,
+    on_progress: Progress | None = None,
+    child_env: dict[str, str] | None = None,
 ) -> Result:
     """`fn(spec, on_progress)` in a spawned child seeing only `visible_devices`, or in this process
-    when `visible_devices` is None (CPU work needs no isolation). `fn` must be importable."""
+    when `visible_devices` is None (CPU work needs no isolation). `fn` must be importable. The child
+    sets `child_env`'s variables that its environment does not set already (this process keeps its own)."""
     forward = on_progress or (lambda *_: None)
     if visible_devices is None:
         return fn(spec, forward)
     ctx = mp.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     log_level = logging.getLogger("eagle3").getEffectiveLevel()
-    child = ctx.Process(target=_child_main, args=(fn, spec, visible_devices, send, os.getpid(), log_level), name=f"eagle3-{fn.__name__}")
+    child = ctx.Process(
+        target=_child_main, args=(fn, spec, visible_devices, child_env or {}, send, os.getpid(), log_level), name=f"eagle3-{fn.__name__}"
+    )
     child.start()
     send.close()
     outcome, finished = None, False

@@ -10,12 +10,13 @@ import sys
 import pytest
 import torch
 from conftest import SAMPLE, write_jsonl
+from pydantic import BaseModel
 from safetensors.torch import load_file
 from tiny_models import tiny_llama
 
 from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig
 from eagle3.data.prepare_dataset import load_dataset_table, prepare_dataset, read_user_turns
-from eagle3.data.regenerate import RegenerateAttempt, _transformers_attempt, regenerate
+from eagle3.data.regenerate import GROWING_CACHE_ENV, RegenerateAttempt, _transformers_attempt, regenerate
 from eagle3.evaluation.baseline import DecodingModel
 from eagle3.evaluation.draft_proposer import Eagle3Proposer, StaticEagle3Proposer, proposer_for
 from eagle3.evaluation.evaluate import load_draft
@@ -24,7 +25,7 @@ from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculat
 from eagle3.extraction.extract_hidden_states import ExtractAttempt, ShardWork, _extract_attempt, extract_hidden_states
 from eagle3.extraction.shards import hidden_state_files
 from eagle3.extraction.storage import decode
-from eagle3.runtime.attempts import fixed_devices
+from eagle3.runtime.attempts import fixed_devices, run_attempt
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.done_log import read_done
 from eagle3.store.manifests import Provenance
@@ -88,6 +89,21 @@ def test_gpu_regeneration_runs_in_a_child_process_and_reports_memory(steps, tmp_
 
     assert manifest.num_records + len(manifest.failed) == 6 and manifest.backoffs == []
     assert set(manifest.gpu_memory_after_mib) == {"0"}
+
+
+class _NoSpec(BaseModel):
+    pass
+
+
+def _segments_expand(spec: _NoSpec, on_progress) -> bool:
+    torch.ones(1 << 20, device="cuda")
+    return all(segment["is_expandable"] for segment in torch.cuda.memory_snapshot())
+
+
+@pytest.mark.skipif("PYTORCH_CUDA_ALLOC_CONF" in os.environ, reason="the user's allocator setting wins")
+def test_a_regeneration_attempt_allocates_in_segments_that_grow_in_place():
+    assert run_attempt(_segments_expand, _NoSpec(), ["0"], child_env=GROWING_CACHE_ENV)
+    assert not run_attempt(_segments_expand, _NoSpec(), ["0"])
 
 
 def test_gpu_training_under_torchrun_with_flex_attention_and_fused_loss_exports_and_decodes(steps, caplog, capfd):

@@ -53,6 +53,21 @@ def test_an_attempt_runs_in_a_child_that_sees_only_its_devices():
     assert progress == [(1, 3), (2, 3), (3, 3)]
 
 
+def report_env(spec: Steps, on_progress) -> dict:
+    return {name: os.environ.get(name) for name in ("PYTORCH_CUDA_ALLOC_CONF", "EAGLE3_TEST_USER_SET")}
+
+
+def test_a_child_sets_the_variables_it_is_given_that_the_user_has_not(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("EAGLE3_TEST_USER_SET", "the user's")
+    given = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "EAGLE3_TEST_USER_SET": "the step's"}
+
+    seen = run_attempt(report_env, Steps(), ["0"], child_env=given)
+
+    assert seen == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "EAGLE3_TEST_USER_SET": "the user's"}
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # this process's own allocator is left as it was
+
+
 def log_in_child(spec: Steps, on_progress) -> None:
     logging.getLogger("eagle3.extraction.extract_hidden_states").warning("waiting for shard %d", 3)
     logging.getLogger("eagle3.extraction.extract_hidden_states").debug("below the flow's level: not sent")

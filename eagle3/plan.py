@@ -150,7 +150,18 @@ class Plan(BaseModel):
 
 
 def _size(n: float) -> str:
+    if n < GB:  # a demo's states or a tiny model would read "0.0 GB"
+        return f"{n / 1e6:,.1f} MB ({n / 2**20:,.1f} MiB)"
     return f"{n / GB:,.1f} GB ({n / GIB:,.1f} GiB)"
+
+
+def _duration(seconds: float) -> str:
+    """Hours for a run at scale; minutes or seconds for one that would read "0.0 h"."""
+    if seconds < 60:
+        return f"{seconds:,.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:,.1f} min"
+    return f"{seconds / 3600:,.1f} h"
 
 
 def _count(gpus: int | None) -> str:
@@ -440,7 +451,7 @@ def _estimates(config: PipelineConfig, store_dir: Path, source: Path, records: i
     if (hidden := latest.get("hidden_states")) and hidden.get("extracted_shards"):
         share = hidden["extracted_shards"] / (hidden["extracted_shards"] + hidden["reused_shards"])
         rate = hidden["num_tokens"] * share / hidden["seconds"]
-        out.append(f"extract     {tokens / rate / 3600:,.1f} h at {rate:,.0f} tok/s (artifact {hidden['digest'][:12]})")
+        out.append(f"extract     {_duration(tokens / rate)} at {rate:,.0f} tok/s (artifact {hidden['digest'][:12]})")
     regenerated = latest.get("regenerated")
     if (
         config.regenerate.enabled
@@ -449,13 +460,13 @@ def _estimates(config: PipelineConfig, store_dir: Path, source: Path, records: i
         and (generated := regenerated["num_records"] - regenerated.get("reused_records", 0) - regenerated.get("resumed_records", 0))
     ):
         rate = generated / regenerated["seconds"]  # reused answers took no time, resumed ones a killed run's
-        out.append(f"regenerate  {records / rate / 3600:,.1f} h at {rate:,.2f} records/s (artifact {regenerated['digest'][:12]})")
+        out.append(f"regenerate  {_duration(records / rate)} at {rate:,.2f} records/s (artifact {regenerated['digest'][:12]})")
     if (draft := latest.get("draft")) and draft.get("tokens_per_s"):
         train = config.train
         per_second = draft["tokens_per_s"] * train.num_gpus
-        hours = train.epochs * tokens * train.train_data_ratio / per_second / 3600
+        seconds = train.epochs * tokens * train.train_data_ratio / per_second
         out.append(
-            f"train       {hours:,.1f} h at {draft['tokens_per_s']:,.0f} tok/s per GPU x {train.num_gpus} (artifact {draft['digest'][:12]})"
+            f"train       {_duration(seconds)} at {draft['tokens_per_s']:,.0f} tok/s per GPU x {train.num_gpus} (artifact {draft['digest'][:12]})"
         )
     return out
 

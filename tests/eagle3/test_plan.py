@@ -16,7 +16,7 @@ from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, RegenerateC
 from eagle3.data.prepare_dataset import prepare_dataset
 from eagle3.data.regenerate import regenerate, regenerate_provenance
 from eagle3.extraction.extract_hidden_states import extract_hidden_states, extraction_provenance
-from eagle3.plan import check_verifier_fits, make_plan
+from eagle3.plan import _duration, _size, check_verifier_fits, make_plan
 from eagle3.store.artifacts import ArtifactStore
 from eagle3.store.manifests import Provenance
 from eagle3.verifier.loading import load_tokenizer
@@ -114,7 +114,7 @@ def test_the_dataset_s_hidden_states_are_sized_against_the_store_s_free_disk(tmp
     assert plan.tokens_from == "estimated at 4 characters a token: no tokenizer here"
     assert 0 < plan.store_free_bytes <= shutil.disk_usage(tmp_path).total
     text = plan.render()
-    assert f"{plan.dataset_tokens * 32_768 / 1e9:,.1f} GB" in text and "free: fits" in text
+    assert f"{plan.dataset_tokens * 32_768 / 1e6:,.1f} MB" in text and "free: fits" in text
     assert plan.fits
     full = plan.model_copy(update={"store_free_bytes": plan.states_bytes - 1})
     assert not full.fits and "free: DOES NOT FIT" in full.render()  # `eagle3 plan` exits 1
@@ -137,9 +137,7 @@ def test_a_measured_extraction_in_the_store_gives_the_extraction_time(tiny_verif
 
     rate = hidden.num_tokens / hidden.seconds
     assert plan.tokens_from == "tokenized"
-    assert plan.estimates == [
-        f"extract     {plan.dataset_tokens / rate / 3600:,.1f} h at {rate:,.0f} tok/s (artifact {hidden.digest[:12]})"
-    ]
+    assert plan.estimates == [f"extract     {_duration(plan.dataset_tokens / rate)} at {rate:,.0f} tok/s (artifact {hidden.digest[:12]})"]
 
 
 def test_the_regeneration_rate_counts_the_records_generated_not_those_reused(tiny_verifier, tmp_path):
@@ -155,7 +153,7 @@ def test_the_regeneration_rate_counts_the_records_generated_not_those_reused(tin
 
     rate = 1 / latest.seconds  # one record generated, three reused
     assert latest.reused_records == 3
-    assert f"regenerate  {4 / rate / 3600:,.1f} h at {rate:,.2f} records/s (artifact {latest.digest[:12]})" in plan.estimates
+    assert f"regenerate  {_duration(4 / rate)} at {rate:,.2f} records/s (artifact {latest.digest[:12]})" in plan.estimates
 
 
 def test_the_regeneration_rate_counts_the_records_this_run_generated_not_those_a_killed_run_left(tiny_verifier, tmp_path):
@@ -179,7 +177,7 @@ def test_the_regeneration_rate_counts_the_records_this_run_generated_not_those_a
 
     rate = 2 / resumed.seconds  # the killed run's 2 records took none of this run's seconds
     assert (resumed.num_records, resumed.resumed_records, resumed.reused_records) == (4, 2, 0)
-    assert f"regenerate  {4 / rate / 3600:,.1f} h at {rate:,.2f} records/s (artifact {resumed.digest[:12]})" in plan.estimates
+    assert f"regenerate  {_duration(4 / rate)} at {rate:,.2f} records/s (artifact {resumed.digest[:12]})" in plan.estimates
 
 
 def test_a_gguf_verifier_s_estimates_come_from_the_steps_run_on_its_converted_directory(tmp_path):
@@ -197,7 +195,7 @@ def test_a_gguf_verifier_s_estimates_come_from_the_steps_run_on_its_converted_di
 
     assert verifier.digest != verifier.parents["source"]  # the steps' parent is the conversion, not the file
     rate = 2 / regenerated.seconds
-    assert plan.estimates == [f"regenerate  {2 / rate / 3600:,.1f} h at {rate:,.2f} records/s (artifact {regenerated.digest[:12]})"]
+    assert plan.estimates == [f"regenerate  {_duration(2 / rate)} at {rate:,.2f} records/s (artifact {regenerated.digest[:12]})"]
     converted = make_plan(
         load_config(
             None, [f"verifier.path={verifier.path}", f"dataset.path={prompts}", "regenerate.enabled=true", "regenerate.max_new_tokens=4"]
@@ -323,3 +321,9 @@ def test_the_plan_names_the_store_the_run_would_use(tmp_path, monkeypatch):
 
     assert plan.store_dir == str(tmp_path / "data" / "eagle3-pipeline" / "store")  # the default, where this host keeps it
     assert f"store       {plan.store_dir}: " in plan.render()
+
+
+def test_small_sizes_and_short_times_read_in_units_that_show_them():
+    assert _size(34_000_000) == "34.0 MB (32.4 MiB)"  # the demo's hidden states: "0.0 GB" said nothing
+    assert _size(16.1e9) == "16.1 GB (15.0 GiB)"
+    assert [_duration(s) for s in (12.4, 90, 5400)] == ["12 s", "1.5 min", "1.5 h"]

@@ -10,6 +10,7 @@ import argparse
 import os
 import shutil
 import sys
+from pathlib import Path
 
 from eagle3.config import ConfigError, load_config, store_path
 from eagle3.figures import with_error
@@ -211,7 +212,6 @@ def _extraction_server(args) -> int:
     """Print the command for the configured verifier and aux layers: the layers a server captures are
     fixed when it starts, so they come from the same configuration the run will use."""
     import shlex
-    from pathlib import Path
     from urllib.parse import urlsplit
 
     import eagle3
@@ -366,6 +366,8 @@ def _print_result(result, sample_data: bool) -> None:
         print(f"checkpoint: {checkpoint.path}")
         kept = "" if checkpoint.selected_epoch is None else f", epoch {checkpoint.selected_epoch + 1} of {checkpoint.epochs} (the best)"
         print(f"simulated acceptance length (tau_sim) on the validation split: {checkpoint.tau_sim:.3f}{kept}")
+    if result.draft is not None:
+        print(f"training curves (loss and acceptance by epoch): {Path(result.draft.path) / result.draft.curves}")
     if evaluation is None:
         print(
             f"stopped after {result.stopped_after} (stop_after): the same command without stop_after goes on from there, "

@@ -21,6 +21,7 @@ from eagle3.store.lineage import RunLineage
 from eagle3.store.manifests import ArtifactManifest
 from eagle3.store.promotions import PromotionRecord
 from eagle3.training.export import ExportManifest
+from eagle3.training.train import DraftManifest
 from eagle3.verifier.resolve_verifier import verifier_source
 from tasks.baseline import measure_baselines_task
 from tasks.evaluate import evaluate_task
@@ -41,6 +42,7 @@ class PipelineResult(BaseModel):
 
     lineage: RunLineage
     stopped_after: str | None = None
+    draft: DraftManifest | None = None
     checkpoint: ExportManifest | None = None
     evaluation: EvalManifest | None = None
     promotion: PromotionRecord | None = None
@@ -84,9 +86,11 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
         draft = train_draft_task(store, config.train, dataset, hidden_states, vocab, verifier, init)
         checkpoint = export_checkpoint_task(store, config.export, draft, verifier, vocab, hidden_states)
         if config.stop_after == "checkpoint":
-            return stopped("checkpoint", verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, checkpoint=checkpoint)
+            return stopped(
+                "checkpoint", verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, draft=draft, checkpoint=checkpoint
+            )
         evaluation = evaluate_task(store, config.evaluate, checkpoint, hidden_states, verifier, prompts, baselines, config.verifier)
         promotion = promote_task(store, config.promotion, evaluation)
         produced = [verifier, regenerated, dataset, hidden_states, vocab, draft, checkpoint, baselines, evaluation]
         lineage = publish_lineage_task(store, [m for m in produced if m is not None], config)
-    return PipelineResult(lineage=lineage, checkpoint=checkpoint, evaluation=evaluation, promotion=promotion)
+    return PipelineResult(lineage=lineage, draft=draft, checkpoint=checkpoint, evaluation=evaluation, promotion=promotion)

@@ -41,6 +41,8 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     kept = manifests["checkpoint"]["selected_epoch"]
     assert kept == manifests["draft"]["selected_epoch"] and manifests["checkpoint"]["epochs"] == 3
     assert f"(tau_sim) on the validation split: {manifests['checkpoint']['tau_sim']:.3f}, epoch {kept + 1} of 3 (the best)" in printed
+    curves = Path(manifests["draft"]["path"]) / "training_curves.png"
+    assert f"training curves (loss and acceptance by epoch): {curves}" in printed and curves.is_file()
     verifier = manifests["verifier"]
     assert (verifier["num_hidden_layers"], verifier["hidden_size"], verifier["vocab_size"]) == (30, 576, 49152)
     check_pinned("verifier", fingerprint_tree(Path(verifier["path"]), tmp_path))  # the GGUF file's dequantized directory

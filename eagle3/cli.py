@@ -48,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="for a CPU build of vLLM (run with its environment's python): this package's connector in place of vLLM's CUDA one",
     )
-    limit = commands.add_parser("gpu-limit", help="create or resize the Prefect 'gpu' concurrency limit GPU steps claim")
+    limit = commands.add_parser(
+        "gpu-limit", help="create or resize the Prefect 'gpu' concurrency limit GPU steps claim on a persistent server"
+    )
     limit.add_argument("--gpus", type=int, help="slots (default: the GPUs this host sees)")
     lineage = commands.add_parser("lineage", help="print a flow run's or an artifact's lineage (Mermaid graph), from the store alone")
     lineage.add_argument("ref", help="flow run id or artifact digest, or a unique prefix of either")
@@ -249,8 +251,15 @@ def _extraction_server(args) -> int:
 def _gpu_limit(gpus: int | None) -> int:
     import torch
 
-    from tasks.gpu import GPU_LIMIT, set_gpu_limit
+    from tasks.gpu import GPU_LIMIT, persistent_server, set_gpu_limit
 
+    if not persistent_server():
+        print(
+            "eagle3: PREFECT_API_URL names no server: runs with a temporary one take no GPU slots (this host's device locks "
+            "keep them apart, docs/gpus-and-backoff.md); set it to the server whose limit to set",
+            file=sys.stderr,
+        )
+        return 2
     count = torch.cuda.device_count() if gpus is None else gpus
     if count < 1:
         print("eagle3: no GPU seen and --gpus not given; CPU runs claim nothing", file=sys.stderr)

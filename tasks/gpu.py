@@ -1,6 +1,6 @@
-"""GPU claims: a step that runs on CUDA takes slots of the Prefect global concurrency limit `gpu`,
-so concurrent flow runs never oversubscribe a host, then picks that many free devices of this host,
-which its child processes see as CUDA_VISIBLE_DEVICES. Tasks hand `claim_gpus` to their step, which
+"""GPU claims: a step that runs on CUDA takes slots of the Prefect global concurrency limit `gpu`
+(on a persistent server; see below), so concurrent flow runs never oversubscribe a host, then picks
+that many free devices of this host, which its child processes see as CUDA_VISIBLE_DEVICES. Tasks hand `claim_gpus` to their step, which
 enters it after it holds its work directory (`eagle3.runtime.attempts.GpuClaim` says when).
 
 `strict=True`: a missing limit is an error, not a silent free-for-all. `eagle3 gpu-limit` creates it
@@ -13,7 +13,8 @@ not run in a temporary server (the one `eagle3 run` starts, or Prefect's own), a
 temporary server knows nothing of the dead one's leases, so the slots would stay taken in the
 shared database for good and every later GPU step on the host would wait for them (a resumed GPU
 run, after `timeout` had stopped the one before, waited 5 minutes, twice). With a temporary server
-every run is on this host, so its device locks alone keep runs apart, and no slot is taken.
+every run is on this host, so its device locks alone keep runs apart, and no slot is taken; a step
+waits for them as long as it takes, as it waited for a slot.
 
 The steps that run the verifier themselves claim `verifier.num_gpus` (`verifier_claim`; those that
 decode with it in their own process only one where it fits one GPU, `decoding_claim`); how they use
@@ -93,7 +94,8 @@ def claim_gpus(device: str, count: int = 1) -> Iterator[list[str] | None]:
     if device_type(device) != "cuda":
         yield None
         return
-    with gpu_slots(count), lock_free_gpus(host_gpu_ids(), count) as devices:
+    # With no slot taken (a temporary server) the device locks are the host's queue: no deadline.
+    with gpu_slots(count), lock_free_gpus(host_gpu_ids(), count, timeout_s=3600 if persistent_server() else None) as devices:
         yield devices
 
 

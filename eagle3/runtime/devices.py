@@ -4,9 +4,9 @@ they hold. Every GPU step stands on these; nothing here imports the rest of the 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -17,6 +17,9 @@ from eagle3.runtime.locks import exclusive_if_free
 
 if TYPE_CHECKING:  # imported where used: the flow loads this module on every run, torch only where a step runs
     import torch
+
+logger = logging.getLogger(__name__)
+GPU_LOCK_DIR = Path("/tmp/eagle3-gpu-locks")  # not under TMPDIR: runs with TMPDIRs of their own must meet at the same locks
 
 __all__ = [
     "compute_dtype",
@@ -134,13 +137,15 @@ def in_process_device(devices: list[str] | None, fallback: str) -> str:
 
 
 @contextmanager
-def lock_free_gpus(candidates: list[str], count: int, lock_dir: Path | None = None, timeout_s: float = 3600) -> Iterator[list[str]]:
+def lock_free_gpus(candidates: list[str], count: int, lock_dir: Path | None = None, timeout_s: float | None = 3600) -> Iterator[list[str]]:
     """Hold `count` of `candidates` that no other process on this host holds, by a lock per device
-    (`eagle3.runtime.locks`: dropped at once when a holder dies). Waits while too few are free."""
+    (`eagle3.runtime.locks`: dropped at once when a holder dies). Waits while too few are free, for
+    `timeout_s` at most (None: as long as it takes, as a queue for the host's GPUs)."""
     if count > len(candidates):
         raise RuntimeError(f"{count} GPU(s) requested but this host has {len(candidates)}: {candidates}")
-    lock_dir = lock_dir or Path(tempfile.gettempdir()) / "eagle3-gpu-locks"
-    deadline = time.monotonic() + timeout_s
+    lock_dir = lock_dir or GPU_LOCK_DIR
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    waiting = False
     while True:
         with ExitStack() as held:
             devices: list[str] = []
@@ -150,6 +155,9 @@ def lock_free_gpus(candidates: list[str], count: int, lock_dir: Path | None = No
             if len(devices) == count:
                 yield devices
                 return
-        if time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() > deadline:
             raise RuntimeError(f"no {count} free GPU(s) among {candidates} after {timeout_s:.0f} s (locks in {lock_dir})")
+        if not waiting:
+            logger.info("waiting for %d free GPU(s) among %s: other runs on this host hold them (locks in %s)", count, candidates, lock_dir)
+            waiting = True
         time.sleep(1.0)

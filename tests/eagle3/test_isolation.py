@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import torch
 from pydantic import BaseModel
 
 from eagle3.runtime.attempts import ChildProcessFailed, run_attempt
-from eagle3.runtime.devices import lock_free_gpus
+from eagle3.runtime.devices import GPU_LOCK_DIR, lock_free_gpus
 from eagle3.store.artifacts import ArtifactError
 
 pytestmark = pytest.mark.slow  # child processes that import torch and transformers
@@ -128,9 +130,38 @@ def test_device_locks_hand_out_distinct_devices_and_wait_when_all_are_taken(tmp_
         assert both == ["0", "1"]
 
 
+def test_device_locks_are_where_every_run_on_the_host_looks_whatever_its_tmpdir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    device = f"test-{os.getpid()}"
+
+    with lock_free_gpus([device], 1):
+        assert (GPU_LOCK_DIR / f"gpu-{device}.lock").exists() and not list(tmp_path.iterdir())
+
+
+def test_without_a_deadline_a_claim_waits_as_long_as_the_holder_keeps_the_device(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="eagle3.runtime.devices")
+    released = []
+
+    def hold():
+        with lock_free_gpus(["0"], 1, tmp_path):
+            time.sleep(2.5)
+            released.append(time.monotonic())
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    time.sleep(0.5)
+    with lock_free_gpus(["0"], 1, tmp_path, timeout_s=None) as devices:
+        got = time.monotonic()
+    holder.join()
+
+    assert devices == ["0"] and released and got >= released[0]
+    assert "waiting for 1 free GPU(s) among ['0']: other runs on this host hold them" in caplog.text
+
+
 def test_a_killed_holder_frees_its_devices_at_once(tmp_path):
     code = (
-        "import sys, time; from pathlib import Path; from eagle3.runtime.devices import lock_free_gpus\n"
+        "import sys, time; from pathlib import Path; from eagle3.runtime.devices import GPU_LOCK_DIR, lock_free_gpus\n"
         f"with lock_free_gpus(['0'], 1, Path({str(tmp_path)!r})):\n"
         "    print('held', flush=True); time.sleep(600)\n"
     )

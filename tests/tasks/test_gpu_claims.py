@@ -135,6 +135,15 @@ def test_only_a_server_named_by_prefect_api_url_and_not_started_by_the_run_is_pe
         assert not persistent_server()
 
 
+def test_gpu_limit_without_a_persistent_server_says_runs_take_no_slots(monkeypatch, capsys):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    monkeypatch.delenv(TEMPORARY_API_URL, raising=False)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert main(["gpu-limit", "--gpus", "1"]) == 2
+    assert "PREFECT_API_URL names no server: runs with a temporary one take no GPU slots" in capsys.readouterr().err
+
+
 HOLD = """
 import sys, time
 from tasks.settings import set_prefect_defaults

@@ -35,6 +35,7 @@ Cost: one decode per generated token.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 from collections.abc import Iterator
@@ -241,11 +242,19 @@ def _transformers_attempt(spec: RegenerateAttempt, on_progress: Progress) -> Out
     return None
 
 
-# `generate`'s KV cache grows a token at every step, a `torch.cat` on every layer, and the caching
-# allocator's fixed segments fragment under that: the H100 regenerations that ran out of memory at
-# batch 2000 held 20-25 GiB reserved but unallocated (`bench/results/quality_h100_sharegpt_27k`'s
-# manifest). Expandable segments grow in place instead.
-GROWING_CACHE_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")  # torch reads any
+
+
+def growing_cache_env() -> dict[str, str]:
+    """The allocator setting of a regeneration attempt's child: `generate`'s KV cache grows a token
+    at every step, a `torch.cat` on every layer, and the caching allocator's fixed segments fragment
+    under that (the H100 regenerations that ran out of memory at batch 2000 held 20-25 GiB reserved
+    but unallocated: `bench/results/quality_h100_sharegpt_27k`'s manifest). Expandable segments grow
+    in place instead. None where the user set the allocator under any of its names: the older name
+    would override theirs."""
+    if any(name in os.environ for name in ALLOCATOR_SETTINGS):
+        return {}
+    return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
 
 def _regenerate_on(
@@ -279,7 +288,7 @@ def _regenerate_on(
         max_memory=worker.max_memory if worker else None,
     )
     while spec.todo:
-        oom = run_attempt(_transformers_attempt, spec, worker.visible if worker else None, records_done, GROWING_CACHE_ENV)
+        oom = run_attempt(_transformers_attempt, spec, worker.visible if worker else None, records_done, growing_cache_env())
         finished = read_done(done_log, "record")
         left = [r for r in spec.todo if r[0] not in finished]
         assert oom is not None or not left, "an attempt without an out-of-memory error left records unfinished"

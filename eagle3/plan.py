@@ -150,16 +150,16 @@ class Plan(BaseModel):
 
 
 def _size(n: float) -> str:
-    if n < GB:  # a demo's states or a tiny model would read "0.0 GB"
+    if n < 999.95e6:  # under what rounds to 1,000.0 MB: a demo's states or a tiny model would read "0.0 GB"
         return f"{n / 1e6:,.1f} MB ({n / 2**20:,.1f} MiB)"
     return f"{n / GB:,.1f} GB ({n / GIB:,.1f} GiB)"
 
 
 def _duration(seconds: float) -> str:
     """Hours for a run at scale; minutes or seconds for one that would read "0.0 h"."""
-    if seconds < 60:
+    if seconds < 59.5:  # what rounds to "60 s" reads as minutes, what rounds to "60.0 min" as hours
         return f"{seconds:,.0f} s"
-    if seconds < 3600:
+    if seconds < 3597:
         return f"{seconds / 60:,.1f} min"
     return f"{seconds / 3600:,.1f} h"
 

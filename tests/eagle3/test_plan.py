@@ -326,4 +326,5 @@ def test_the_plan_names_the_store_the_run_would_use(tmp_path, monkeypatch):
 def test_small_sizes_and_short_times_read_in_units_that_show_them():
     assert _size(34_000_000) == "34.0 MB (32.4 MiB)"  # the demo's hidden states: "0.0 GB" said nothing
     assert _size(16.1e9) == "16.1 GB (15.0 GiB)"
-    assert [_duration(s) for s in (12.4, 90, 5400)] == ["12 s", "1.5 min", "1.5 h"]
+    assert [_duration(s) for s in (12.4, 59.6, 90, 3599, 5400)] == ["12 s", "1.0 min", "1.5 min", "1.0 h", "1.5 h"]
+    assert _size(999_960_000) == "1.0 GB (0.9 GiB)"

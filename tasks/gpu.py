@@ -1,7 +1,8 @@
 """GPU claims: a step that runs on CUDA takes slots of the Prefect global concurrency limit `gpu`
 (on a persistent server; see below), so concurrent flow runs never oversubscribe a host, then picks
-that many free devices of this host, which its child processes see as CUDA_VISIBLE_DEVICES. Tasks hand `claim_gpus` to their step, which
-enters it after it holds its work directory (`eagle3.runtime.attempts.GpuClaim` says when).
+that many free devices of this host, which its child processes see as CUDA_VISIBLE_DEVICES. Tasks
+hand `claim_gpus` to their step, which enters it after it holds its work directory
+(`eagle3.runtime.attempts.GpuClaim` says when).
 
 `strict=True`: a missing limit is an error, not a silent free-for-all. `eagle3 gpu-limit` creates it
 with the host's GPU count. Slots are released when the step fails; those of a killed holder return

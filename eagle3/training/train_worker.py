@@ -92,6 +92,21 @@ def report_record(record: dict, total_steps: int, cfg: TrainConfig, on_step, aro
             )
 
 
+def planned_steps(loader, epochs: int) -> int:
+    """The optimizer steps of `epochs` epochs over `loader`. speculators' packing sampler packs each
+    epoch from its own shuffle, so epochs differ in length: 3 epochs of the tests' sample take 80 steps
+    where 3 times the first epoch's makes 81, and a bar of steps to that total never filled."""
+    sampler = loader.batch_sampler
+    if not hasattr(sampler, "set_epoch"):
+        return epochs * len(loader)
+    total = 0
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        total += len(loader)
+    sampler.set_epoch(0)
+    return total
+
+
 @contextmanager
 def _collect_metrics(log: Path, timing_log: Path, on_record) -> Iterator[None]:
     """Append each dict speculators' Trainer logs to `speculators.metrics` (one per step and per
@@ -266,7 +281,7 @@ def train_attempt(spec: TrainSpec, on_step=None, around_epoch_line=nullcontext) 
         checkpoint_freq=1,
         fsdp_shard=cfg.fsdp,
     )
-    total_steps = cfg.epochs * len(train_loader)
+    total_steps = planned_steps(train_loader, cfg.epochs)
     rank0 = get_rank() == 0
     if rank0:
         atomic_write_text(spec.work / "plan.json", json.dumps({"total_steps": total_steps}))

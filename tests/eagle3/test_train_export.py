@@ -167,11 +167,13 @@ def test_interrupted_training_resumes_from_the_last_epoch_checkpoint(inputs, cap
     resumed = []
     caplog.clear()
 
-    manifest = train_draft(TRAIN, dataset, hidden, vocab, verifier, store, provenance, on_step=lambda s, t, m: resumed.append(s))
+    manifest = train_draft(TRAIN, dataset, hidden, vocab, verifier, store, provenance, on_step=lambda s, t, m: resumed.append((s, t)))
 
     # Epoch 1 starts over where epoch 0's checkpoint left off; epoch 0 is not trained again.
-    assert 1 < resumed[0] <= seen[-1]
-    assert resumed == list(range(resumed[0], resumed[0] + len(resumed)))
+    assert 1 < resumed[0][0] <= seen[-1]
+    assert [s for s, _ in resumed] == list(range(resumed[0][0], resumed[0][0] + len(resumed)))
+    # The planned total is the steps taken (the packing sampler's epochs differ in length): the bar ends full.
+    assert {t for _, t in resumed} == {resumed[-1][0]} == {manifest.num_steps}
     assert [e["epoch"] for e in manifest.epochs] == [0, 1, 2]
     # The log says how far the killed run got, and the resumed run's epochs with the figures the draft records.
     first, *later = manifest.epochs

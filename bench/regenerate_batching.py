@@ -5,7 +5,8 @@
 
 The verifier (SmolLM2-135M-Instruct unless `--verifier`) answers the first user turn of the same
 records (the package's sample conversations unless `--prompts`) greedily, twice: as regeneration
-does (`eagle3.data.regenerate`: one `generate` over all of them, left-padded, in `batch_order`),
+does (`eagle3.data.regenerate`: one `generate` over all of them, left-padded, in `batch_order`, on a
+static KV cache with grouped decode attention),
 and through `model.generate_batch` (transformers' continuous batching: a paged KV cache, requests
 joining and leaving the batch as they finish). Prints seconds, records/s and generated tokens of
 each (end-of-sequence tokens not counted, as regeneration counts them), and how many of the
@@ -34,6 +35,7 @@ from eagle3.data.regenerate import _answer_batch, batch_order
 from eagle3.evaluation.baseline import device_name
 from eagle3.runtime.devices import compute_dtype
 from eagle3.store.artifacts import ArtifactStore
+from eagle3.verifier.grouped_decode import use_grouped_decode
 from eagle3.verifier.loading import chat_prompt_ids, eos_token_ids, load_text_model
 from eagle3.verifier.resolve_verifier import resolve_verifier, verifier_tokenizer
 
@@ -67,11 +69,13 @@ def main() -> None:
         cfg = RegenerateConfig(enabled=True, max_new_tokens=args.max_new_tokens, batch_size=len(records))
         model = load_text_model(verifier.path, compute_dtype(device), device)
 
+        use_grouped_decode(model)  # as a regeneration attempt loads it
         warm = records[:2]  # each path once, untimed: first-call costs (kernel selection, allocator growth) are neither's
         _answer_batch(model, tokenizer, batch_order(warm), cfg.model_copy(update={"batch_size": len(warm)}), device)
         padded, padded_s = timed(lambda: _answer_batch(model, tokenizer, batch_order(records), cfg, device))
         answers = {entry["id"]: entry["messages"][-1]["content"] for entry in padded if "messages" in entry}
 
+        model.set_attn_implementation("sdpa")  # continuous batching pages its own sdpa
         eos = sorted(eos_token_ids(tokenizer, model))
         prompts = [chat_prompt_ids(tokenizer, [*system, {"role": "user", "content": users[0]}]) for _, system, users in records]
         greedy = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])

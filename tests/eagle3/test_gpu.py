@@ -16,7 +16,7 @@ from tiny_models import tiny_llama
 
 from eagle3.config import DatasetConfig, ExportConfig, ExtractConfig, RegenerateConfig, TrainConfig, VerifierConfig, VocabConfig
 from eagle3.data.prepare_dataset import load_dataset_table, prepare_dataset, read_user_turns
-from eagle3.data.regenerate import ALLOCATOR_SETTINGS, RegenerateAttempt, _transformers_attempt, growing_cache_env, regenerate
+from eagle3.data.regenerate import ALLOCATOR_SETTINGS, RegenerateAttempt, _transformers_attempt, expandable_segments_env, regenerate
 from eagle3.evaluation.baseline import DecodingModel
 from eagle3.evaluation.draft_proposer import Eagle3Proposer, StaticEagle3Proposer, proposer_for
 from eagle3.evaluation.evaluate import load_draft
@@ -102,7 +102,7 @@ def _segments_expand(spec: _NoSpec, on_progress) -> bool:
 
 @pytest.mark.skipif(any(name in os.environ for name in ALLOCATOR_SETTINGS), reason="the user's allocator setting wins")
 def test_a_regeneration_attempt_allocates_in_segments_that_grow_in_place():
-    assert run_attempt(_segments_expand, _NoSpec(), ["0"], child_env=growing_cache_env())
+    assert run_attempt(_segments_expand, _NoSpec(), ["0"], child_env=expandable_segments_env())
     assert not run_attempt(_segments_expand, _NoSpec(), ["0"])
 
 

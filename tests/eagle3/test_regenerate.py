@@ -24,7 +24,7 @@ from eagle3.data.regenerate import (
     _shares,
     _transformers_attempt,
     batch_order,
-    growing_cache_env,
+    expandable_segments_env,
     records_named,
     regenerate,
     regenerate_provenance,
@@ -599,7 +599,7 @@ def test_a_regeneration_the_store_already_published_is_handed_back_not_generated
 def test_regeneration_grows_its_allocator_segments_unless_the_user_set_the_allocator_under_any_name(monkeypatch):
     for name in ALLOCATOR_SETTINGS:
         monkeypatch.delenv(name, raising=False)
-    assert growing_cache_env() == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert expandable_segments_env() == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.6")  # torch's newer name, which the older one overrides
-    assert growing_cache_env() == {}
+    assert expandable_segments_env() == {}

@@ -183,6 +183,14 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
+def first_epoch_steps(draft) -> int:
+    """The steps of the first epoch of `draft`'s training (a DraftManifest): a training of the same
+    settings and data packs its epochs alike. speculators' sampler packs each epoch from its own
+    shuffle, so epochs differ in length and `total // epochs` need not fall in the first."""
+    records = [json.loads(line) for line in (draft.path / "metrics.jsonl").read_text().splitlines()]
+    return sum(1 for r in records if "train" in r and r["epoch"] == 0)
+
+
 def work_dir_path(store, step: str, key: str):
     """A step's work directory, created and released at once: where a test plants what a killed run left."""
     with store.work_dir(step, key) as work:

@@ -92,19 +92,22 @@ def report_record(record: dict, total_steps: int, cfg: TrainConfig, on_step, aro
             )
 
 
-def planned_steps(loader, epochs: int) -> int:
-    """The optimizer steps of `epochs` epochs over `loader`. speculators' packing sampler packs each
-    epoch from its own shuffle, so epochs differ in length: 3 epochs of the tests' sample take 80 steps
-    where 3 times the first epoch's makes 81, and a bar of steps to that total never filled."""
+def planned_steps(loader, trainer, epochs: int) -> int:
+    """The optimizer step a training of `epochs` epochs ends at: the steps `trainer` resumed after,
+    plus each epoch's batches from its resume point on. speculators' packing sampler packs each epoch
+    from its own shuffle, so epochs differ in length (3 epochs of the tests' sample take 80 steps
+    where 3 times the first epoch's makes 81, and a bar of steps to that total never filled), and a
+    run resumed after an out-of-memory back-off packs its epochs anew at the smaller `total_seq_len`
+    while the steps before it stay as they were."""
     sampler = loader.batch_sampler
-    if not hasattr(sampler, "set_epoch"):
-        return epochs * len(loader)
-    total = 0
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        total += len(loader)
-    sampler.set_epoch(0)
-    return total
+    steps = trainer.global_step - getattr(trainer, "_resume_local_step", 0)  # a mid-epoch resume skips those
+    for epoch in range(trainer.current_epoch, epochs):
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        steps += len(loader)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(trainer.current_epoch)
+    return steps
 
 
 @contextmanager
@@ -281,21 +284,22 @@ def train_attempt(spec: TrainSpec, on_step=None, around_epoch_line=nullcontext) 
         checkpoint_freq=1,
         fsdp_shard=cfg.fsdp,
     )
-    total_steps = planned_steps(train_loader, cfg.epochs)
     rank0 = get_rank() == 0
-    if rank0:
-        atomic_write_text(spec.work / "plan.json", json.dumps({"total_steps": total_steps}))
+    plan = {"total_steps": 0}  # known once the trainer has read its checkpoint
 
     def on_record(record: dict) -> None:
         if "val" in record:  # its epoch is done: the run resumes from no earlier checkpoint, and may ship the best
             best = best_epoch(epoch_summaries(read_log(spec.metrics_log), spec.cfg.ttt_steps))
             drop_checkpoints_before(spec.checkpoints, record["epoch"], keep=best)
-        report_record(record, total_steps, spec.cfg, on_step, around_epoch_line)
+        report_record(record, plan["total_steps"], spec.cfg, on_step, around_epoch_line)
 
     metrics = _collect_metrics(spec.metrics_log, spec.timing_log, on_record) if rank0 else _no_metrics()
     try:
         with trainer_compat.trainer_class(device) as trainer_cls, metrics:
             trainer = trainer_cls(model, trainer_config, train_loader, val_loader)
+            plan["total_steps"] = planned_steps(train_loader, trainer, cfg.epochs)
+            if rank0:
+                atomic_write_text(spec.work / "plan.json", json.dumps(plan))
             if spec.validate_epoch is not None:  # the trainer loaded that checkpoint
                 trainer.maybe_update_best(spec.validate_epoch, trainer.val_epoch(spec.validate_epoch))
             trainer.run_training()

@@ -14,7 +14,7 @@ import pytest
 import speculators.train.checkpointer as checkpointer_module
 import speculators.train.trainer as trainer_module
 import torch
-from conftest import CLAIM_WAIT_S, run_while_another_run_holds_the_step
+from conftest import CLAIM_WAIT_S, first_epoch_steps, run_while_another_run_holds_the_step
 
 from eagle3.config import (
     DatasetConfig,
@@ -147,18 +147,19 @@ def _validated_epochs(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "eagle3.training.train_worker"]
 
 
-def test_interrupted_training_resumes_from_the_last_epoch_checkpoint(inputs, caplog):
+def test_interrupted_training_resumes_from_the_last_epoch_checkpoint(inputs, draft, caplog):
     caplog.set_level(logging.INFO, logger="eagle3.training.train_worker")
     store, verifier, dataset, hidden, vocab = inputs
     provenance = Provenance(config={"run": "resume"})
     seen = []
+    first_epoch = first_epoch_steps(draft)
 
     class Killed(Exception):
         pass
 
     def die_in_second_epoch(step, total, metrics):
         seen.append(step)
-        if step > total // TRAIN.epochs + 1:
+        if step > first_epoch + 1:
             raise Killed
 
     with pytest.raises(Killed):
@@ -185,12 +186,13 @@ def test_interrupted_training_resumes_from_the_last_epoch_checkpoint(inputs, cap
     assert [f"tau_sim {e['tau_sim']:.3f}" in line for e, line in zip(later, _validated_epochs(caplog))] == [True, True]
 
 
-def test_a_signal_mid_training_fails_the_step_and_keeps_finished_epochs(inputs):
+def test_a_signal_mid_training_fails_the_step_and_keeps_finished_epochs(inputs, draft):
     store, verifier, dataset, hidden, vocab = inputs
     provenance = Provenance(config={"run": "sigterm"})
+    first_epoch = first_epoch_steps(draft)
 
     def terminate_in_second_epoch(step, total, metrics):
-        if step == total // TRAIN.epochs + 1:
+        if step == first_epoch + 1:
             os.kill(os.getpid(), signal.SIGTERM)  # speculators' handler saves a checkpoint and returns
 
     published_before = set((store.root / "artifacts").iterdir())
@@ -222,6 +224,33 @@ def test_out_of_memory_resumes_from_the_last_checkpoint_with_half_the_batch(inpu
     assert [(b.setting, b.value, b.retry_with) for b in manifest.backoffs] == [("train.total_seq_len", 512, 256)]
     assert "simulated out of memory: 512 training tokens" in manifest.backoffs[0].error
     assert manifest.num_steps > 0 and [e["epoch"] for e in manifest.epochs] == [0]
+
+
+def test_a_run_resumed_after_backing_off_plans_the_steps_it_takes(inputs, draft, monkeypatch):
+    """Epoch 0 trained at 512 tokens a batch, the later epochs packed anew at 256 after a back-off:
+    the bar's total is the steps taken."""
+    store, verifier, dataset, hidden, vocab = inputs
+    cfg = TRAIN.model_copy(update={"min_total_seq_len": 128})  # packs epoch 0 as `draft` did
+    provenance = Provenance(config={"run": "backed-off-plan"})
+    first_epoch = first_epoch_steps(draft)
+
+    class Killed(Exception):
+        pass
+
+    def die_in_second_epoch(step, total, metrics):
+        if step > first_epoch + 1:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_draft(cfg, dataset, hidden, vocab, verifier, store, provenance, on_step=die_in_second_epoch)
+    monkeypatch.setenv(FAULT_OOM_ENV, "300")
+    bar = []
+
+    manifest = train_draft(cfg, dataset, hidden, vocab, verifier, store, provenance, on_step=lambda s, t, m: bar.append((s, t)))
+
+    assert [(b.value, b.retry_with) for b in manifest.backoffs] == [(512, 256)]
+    assert bar[0][0] == first_epoch + 1  # epoch 1, repacked
+    assert {t for _, t in bar} == {bar[-1][0]} == {manifest.num_steps}
 
 
 def test_out_of_memory_at_the_minimum_batch_fails_saying_what_was_tried(inputs, monkeypatch):

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.config import VerifierConfig
 from eagle3.data.prepare_dataset import read_user_turns
-from eagle3.data.regenerate import batch_order
+from eagle3.data.regenerate import batch_cache, batch_order
 from eagle3.evaluation.baseline import device_name
 from eagle3.runtime.devices import compute_dtype
 from eagle3.store.artifacts import ArtifactStore
@@ -46,7 +46,7 @@ def generate(model, prompts: list[list[int]], pad: int, max_new_tokens: int, cac
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
         ids[row, width - len(p) :], mask[row, width - len(p) :] = torch.tensor(p), 1
-    static = {"cache_implementation": "static", "disable_compile": True} if cache == "static" else {}
+    static = {**batch_cache(model, width + max_new_tokens), "disable_compile": True} if cache == "static" else {}
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids.to(model.device),

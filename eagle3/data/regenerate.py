@@ -102,6 +102,19 @@ def regenerated_conversations(manifest: RegeneratedManifest) -> Path:
     return Path(manifest.path) / CONVERSATIONS
 
 
+def batch_cache(model, length: int) -> dict:
+    """`generate`'s cache argument for one batch: a static KV cache of `length` positions, written in
+    place (a dynamic cache copies every layer's whole cache at each step). Made here rather than by
+    `generate(cache_implementation="static")`, which sizes each call's cache to the longest any call
+    on the model has asked for: a short batch after a long one would attend over the long one's
+    length. Nothing for the few models that keep caches of their own (RWKV, MiniMax, ...)."""
+    from transformers import StaticCache
+
+    if not model._supports_default_dynamic_cache():
+        return {}
+    return {"past_key_values": StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)}
+
+
 @inference_mode
 def _generate(model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig, device) -> list[tuple[list[int], str]]:
     """Greedy/sampled continuations of each chat-templated prompt: (new token ids, finish reason)."""
@@ -122,7 +135,7 @@ def _generate(model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig,
         attention_mask=mask.to(device),
         max_new_tokens=cfg.max_new_tokens,
         pad_token_id=pad,
-        cache_implementation="static",  # written in place: a dynamic cache copies every layer's whole cache each step
+        **batch_cache(model, width + cfg.max_new_tokens),
         disable_compile=True,  # generate would compile the step for every batch's shape
         **sampling,
     )[:, width:].tolist()

@@ -39,13 +39,14 @@ def grouped_decode_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query (batch, heads, 1, dim) against key and value (batch,
     kv heads, length, dim); returns (batch, 1, heads, dim). Query head h belongs to KV head
-    h // (heads / kv heads), as in `repeat_kv`."""
+    h // (heads / kv heads), as in `repeat_kv`. What only transformers' sdpa handles (a position
+    bias, a paged cache, dropout) goes to it."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
-    if length != 1 or kv_heads == heads or dropout:
+    if length != 1 or kv_heads == heads or dropout or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
@@ -60,7 +61,8 @@ def use_grouped_decode(model: PreTrainedModel) -> bool:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     config = model.config.get_text_config()
-    if config._attn_implementation != "sdpa" or config.num_key_value_heads in (None, config.num_attention_heads):
+    kv_heads = getattr(config, "num_key_value_heads", None)  # GPT-2, OPT and the like have none: every head its own
+    if config._attn_implementation != "sdpa" or kv_heads in (None, config.num_attention_heads):
         return False
     AttentionInterface.register(NAME, grouped_decode_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)

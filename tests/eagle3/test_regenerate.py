@@ -11,6 +11,9 @@ import pytest
 import torch
 from conftest import CLAIM_WAIT_S, free_port, run_while_another_run_holds_the_step, work_dir_path, write_jsonl
 from tiny_models import CHATML, THINKING, tiny_llama
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from vllm_server import ServerFront
 
 from eagle3.config import EndpointConfig, RegenerateConfig, VerifierConfig
@@ -21,6 +24,7 @@ from eagle3.data.regenerate import (
     RegeneratedManifest,
     _answer_batch,
     _answer_text,
+    _generate,
     _shares,
     _transformers_attempt,
     batch_order,
@@ -594,6 +598,27 @@ def test_a_regeneration_the_store_already_published_is_handed_back_not_generated
     again = regenerate(CFG, prompts, manifest, store, provenance)
 
     assert again == first  # not a new artifact built from the first one's answers (reused_records 0)
+
+
+def test_each_batch_decodes_over_a_cache_as_long_as_its_own_prompts_and_answers(tiny_verifier):
+    """`generate`'s own static cache would keep the longest length any earlier call asked for."""
+    lengths = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        if query.shape[2] == 1 and module.layer_idx == 0:  # a decode step's keys: the whole cache
+            lengths.append(key.shape[2])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("recording_sdpa", recording)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("recording_sdpa", sdpa_mask)
+    model = load_text_model(tiny_verifier, torch.float32, "cpu")
+    model.set_attn_implementation("recording_sdpa")
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=4)
+
+    for width in (60, 5):
+        lengths.clear()
+        _generate(model, load_tokenizer(tiny_verifier), [[7] * width, [8, 9]], cfg, "cpu")
+        assert set(lengths) == {width + cfg.max_new_tokens}
 
 
 def test_regeneration_grows_its_allocator_segments_unless_the_user_set_the_allocator_under_any_name(monkeypatch):

@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+from conftest import first_epoch_steps
 
 from eagle3.config import ConfigError, DatasetConfig, ExtractConfig, TrainConfig, VerifierConfig, VocabConfig, load_config
 from eagle3.data.prepare_dataset import load_dataset_table, prepare_dataset
@@ -122,8 +123,10 @@ def test_the_online_draft_is_keyed_and_traced_to_the_online_states(online_store,
 def test_a_killed_online_training_resumes_to_the_uninterrupted_draft(online_store, online_draft):
     store, verifier, dataset, vocab, states = online_store
 
+    first_epoch = first_epoch_steps(online_draft)
+
     def kill_in_second_epoch(step, total, metrics):
-        if step > total // TRAIN.epochs + 1:
+        if step > first_epoch + 1:
             raise Killed
 
     with pytest.raises(Killed):

@@ -78,9 +78,15 @@ def _work(store, run: str):
     return store.root / "work" / f"draft-{Provenance(config={'run': run}).key[:24]}"
 
 
-def _kill_in_second_epoch(step, total, metrics):
-    if step > total // TRAIN.epochs + 1:
-        raise Killed
+def _kill_in_second_epoch(store, run: str):
+    """A step callback for `_train(..., run)` that kills it at its first step after the first epoch's
+    validation reached its metrics log, whatever the epochs' lengths (each epoch is packed anew)."""
+
+    def on_step(step, total, metrics):
+        if '"val":' in (_work(store, run) / "metrics.jsonl").read_text():
+            raise Killed
+
+    return on_step
 
 
 def _kill_in_validation_of(epoch: int, monkeypatch):
@@ -96,7 +102,7 @@ def _kill_in_validation_of(epoch: int, monkeypatch):
 
 def test_a_resumed_training_publishes_the_draft_an_uninterrupted_one_does(store, inputs, uninterrupted):
     with pytest.raises(Killed):
-        _train(store, inputs, "killed", on_step=_kill_in_second_epoch)
+        _train(store, inputs, "killed", on_step=_kill_in_second_epoch(store, "killed"))
     resumed = []
 
     draft = _train(store, inputs, "killed", on_step=lambda s, t, m: resumed.append(s))
@@ -138,7 +144,7 @@ def test_an_epoch_checkpoint_cut_short_is_skipped_for_the_one_before_it(store, i
 
 def test_lines_of_the_training_logs_a_full_disk_cut_short_are_dropped(store, inputs, uninterrupted):
     with pytest.raises(Killed):
-        _train(store, inputs, "full-disk", on_step=_kill_in_second_epoch)
+        _train(store, inputs, "full-disk", on_step=_kill_in_second_epoch(store, "full-disk"))
     work = _work(store, "full-disk")
     with open(work / "metrics.jsonl", "a") as log:
         log.write('{"train": {"loss_0": 0.5, "full_acc')
@@ -258,7 +264,7 @@ def test_a_run_killed_after_backing_off_resumes_at_the_total_seq_len_it_reached(
     monkeypatch.setenv(FAULT_OOM_ENV, str(extent.tokens))  # 512 and 256 run out of memory, every time
     cfg = TRAIN.model_copy(update={"total_seq_len": 512, "min_total_seq_len": 16})
     with pytest.raises(Killed):
-        _train(store, inputs, "oom-killed", cfg, on_step=_kill_in_second_epoch)
+        _train(store, inputs, "oom-killed", cfg, on_step=_kill_in_second_epoch(store, "oom-killed"))
     caplog.set_level(logging.INFO, logger="eagle3")
 
     draft = _train(store, inputs, "oom-killed", cfg)

@@ -107,12 +107,14 @@ def batch_cache(model, length: int) -> dict:
     place (a dynamic cache copies every layer's whole cache at each step). Made here rather than by
     `generate(cache_implementation="static")`, which sizes each call's cache to the longest any call
     on the model has asked for: a short batch after a long one would attend over the long one's
-    length. Nothing for the few models that keep caches of their own (RWKV, MiniMax, ...)."""
+    length. A cache the checkpoint's generation config names gives way to it. Nothing for the models
+    that keep state of their own (Mamba, RWKV, MiniMax, ...), as `generate` decides."""
     from transformers import StaticCache
 
-    if not model._supports_default_dynamic_cache():
+    if not model._supports_default_dynamic_cache() or "mamba" in type(model).__name__.lower():
         return {}
-    return {"past_key_values": StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)}
+    cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
+    return {"past_key_values": cache, "cache_implementation": None}
 
 
 @inference_mode

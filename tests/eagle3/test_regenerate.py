@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import CLAIM_WAIT_S, free_port, run_while_another_run_holds_the_step, work_dir_path, write_jsonl
 from tiny_models import CHATML, THINKING, tiny_llama
-from transformers import AttentionInterface
+from transformers import AttentionInterface, MambaConfig, MambaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from vllm_server import ServerFront
@@ -619,6 +619,19 @@ def test_each_batch_decodes_over_a_cache_as_long_as_its_own_prompts_and_answers(
         lengths.clear()
         _generate(model, load_tokenizer(tiny_verifier), [[7] * width, [8, 9]], cfg, "cpu")
         assert set(lengths) == {width + cfg.max_new_tokens}
+
+
+def test_a_batch_generates_on_a_model_with_state_of_its_own_or_a_cache_named_by_its_generation_config(tiny_verifier):
+    tokenizer = load_tokenizer(tiny_verifier)
+    torch.manual_seed(0)
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, state_size=4))
+    llama = load_text_model(tiny_verifier, torch.float32, "cpu")
+    expected = _generate(llama, tokenizer, [[7] * 6, [8, 9]], CFG, "cpu")
+    llama.generation_config.cache_implementation = "dynamic"  # as a checkpoint's generation_config.json may set it
+
+    assert _generate(llama, tokenizer, [[7] * 6, [8, 9]], CFG, "cpu") == expected
+    answers = _generate(mamba.eval(), tokenizer, [[7] * 6, [8, 9]], CFG, "cpu")  # generate keeps its own state
+    assert len(answers) == 2 and all(len(tokens) <= CFG.max_new_tokens for tokens, _ in answers)
 
 
 def test_regeneration_grows_its_allocator_segments_unless_the_user_set_the_allocator_under_any_name(monkeypatch):

@@ -99,14 +99,12 @@ def planned_steps(loader, trainer, epochs: int) -> int:
     where 3 times the first epoch's makes 81, and a bar of steps to that total never filled), and a
     run resumed after an out-of-memory back-off packs its epochs anew at the smaller `total_seq_len`
     while the steps before it stay as they were."""
-    sampler = loader.batch_sampler
+    set_epoch = getattr(loader.batch_sampler, "set_epoch", lambda epoch: None)
     steps = trainer.global_step - getattr(trainer, "_resume_local_step", 0)  # a mid-epoch resume skips those
     for epoch in range(trainer.current_epoch, epochs):
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+        set_epoch(epoch)
         steps += len(loader)
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(trainer.current_epoch)
+    set_epoch(trainer.current_epoch)
     return steps
 
 

@@ -14,38 +14,27 @@ the first two variants (`--profile-tokens`), and one JSON line (`--json` writes 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.config import VerifierConfig
-from eagle3.data.prepare_dataset import read_user_turns
-from eagle3.data.regenerate import batch_cache, batch_order
+from bench.regenerate_batching import chat_prompts, first_turns, first_turns_arguments, timed
+from eagle3.data.regenerate import batch_cache, batch_order, left_padded, until_eos
 from eagle3.evaluation.baseline import device_name
-from eagle3.runtime.devices import compute_dtype
-from eagle3.store.artifacts import ArtifactStore
 from eagle3.verifier.grouped_decode import use_grouped_decode
-from eagle3.verifier.loading import chat_prompt_ids, eos_token_ids, load_text_model
-from eagle3.verifier.resolve_verifier import resolve_verifier, verifier_tokenizer
+from eagle3.verifier.loading import eos_token_ids
 
-SAMPLE = Path(__file__).resolve().parents[1] / "eagle3" / "data" / "sample_conversations.jsonl"
 VARIANTS = ["sdpa/dynamic", "grouped/dynamic", "sdpa/static", "grouped/static"]
 
 
 def generate(model, prompts: list[list[int]], pad: int, max_new_tokens: int, cache: str) -> list[list[int]]:
     """Left-padded greedy `generate` over `prompts`, as `eagle3.data.regenerate` runs it."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p) :], mask[row, width - len(p) :] = torch.tensor(p), 1
+    ids, mask = left_padded(prompts, pad)
+    width = ids.shape[1]
     static = {**batch_cache(model, width + max_new_tokens), "disable_compile": True} if cache == "static" else {}
     with torch.inference_mode():
         out = model.generate(
@@ -65,29 +54,16 @@ def switch(model, attention: str) -> None:
         raise SystemExit("the verifier has no grouped KV heads: grouped decode attention does not apply")
 
 
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=Path, default=SAMPLE)
-    parser.add_argument("--num-records", type=int, default=2000)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--verifier", default=VerifierConfig().path)
+    parser = first_turns_arguments(__doc__)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS, help="ATTENTION/CACHE; the first is the reference")
     parser.add_argument("--profile-tokens", type=int, default=16, help="decode steps profiled per variant on a GPU (0: none)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with tempfile.TemporaryDirectory() as root:
-        verifier = resolve_verifier(VerifierConfig(path=args.verifier), ArtifactStore(root))
-        tokenizer = verifier_tokenizer(verifier)
-        records = batch_order([(rid, system, users[:1]) for rid, system, users in read_user_turns(args.prompts, args.num_records)])
-        prompts = [chat_prompt_ids(tokenizer, [*system, {"role": "user", "content": users[0]}]) for _, system, users in records]
-        model = load_text_model(verifier.path, compute_dtype(device), device)
+    model, tokenizer, records = first_turns(args, device)
+    prompts = chat_prompts(tokenizer, batch_order(records))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = eos_token_ids(tokenizer, model)
 
@@ -99,12 +75,8 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        synchronize()
-        start = time.perf_counter()
-        out = generate(model, prompts, pad, args.max_new_tokens, cache)
-        synchronize()
-        seconds = time.perf_counter() - start
-        answers = [o[: next((i for i, t in enumerate(o) if t in eos), len(o))] for o in out]
+        out, seconds = timed(lambda cache=cache: generate(model, prompts, pad, args.max_new_tokens, cache))
+        answers = [until_eos(tokens, eos)[0] for tokens in out]
         reference = reference or answers
         rows[variant] = {
             "seconds": round(seconds, 2),

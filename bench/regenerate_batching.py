@@ -52,41 +52,57 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def first_turns_arguments(description: str | None) -> argparse.ArgumentParser:
+    """The options both regeneration benches take: which records, how many tokens, which verifier."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=Path, default=SAMPLE)
     parser.add_argument("--num-records", type=int, default=2000)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--verifier", default=VerifierConfig().path)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    return parser
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+def first_turns(args: argparse.Namespace, device: torch.device):
+    """The verifier (`args.verifier`) loaded on `device`, its tokenizer, and the first user turn of
+    each of the first `args.num_records` records of `args.prompts`, in the file's order."""
     with tempfile.TemporaryDirectory() as root:
         verifier = resolve_verifier(VerifierConfig(path=args.verifier), ArtifactStore(root))
         tokenizer = verifier_tokenizer(verifier)
         records = [(rid, system, users[:1]) for rid, system, users in read_user_turns(args.prompts, args.num_records)]
-        cfg = RegenerateConfig(enabled=True, max_new_tokens=args.max_new_tokens, batch_size=len(records))
-        model = load_text_model(verifier.path, compute_dtype(device), device)
+        return load_text_model(verifier.path, compute_dtype(device), device), tokenizer, records
 
-        use_grouped_decode(model)  # as a regeneration attempt loads it
-        warm = records[:2]  # each path once, untimed: first-call costs (kernel selection, allocator growth) are neither's
-        _answer_batch(model, tokenizer, batch_order(warm), cfg.model_copy(update={"batch_size": len(warm)}), device)
-        padded, padded_s = timed(lambda: _answer_batch(model, tokenizer, batch_order(records), cfg, device))
-        answers = {entry["id"]: entry["messages"][-1]["content"] for entry in padded if "messages" in entry}
 
-        model.set_attn_implementation("sdpa")  # continuous batching pages its own sdpa
-        eos = sorted(eos_token_ids(tokenizer, model))
-        prompts = [chat_prompt_ids(tokenizer, [*system, {"role": "user", "content": users[0]}]) for _, system, users in records]
-        greedy = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-        paged = ContinuousBatchingConfig()
-        if device.type == "cpu":
-            paged = ContinuousBatchingConfig(
-                num_blocks=math.ceil(sum(len(p) + args.max_new_tokens for p in prompts) / paged.page_size) + len(prompts)
-            )
-        model.generate_batch(prompts[:2], generation_config=greedy, continuous_batching_config=paged)
-        served, continuous_s = timed(lambda: model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=paged))
-        continuous = {rid: [t for t in served[f"req_{i}"].generated_tokens if t not in eos] for i, (rid, _, _) in enumerate(records)}
+def chat_prompts(tokenizer, records) -> list[list[int]]:
+    """Each record's first user turn (after its system turn, if any), chat-templated for an answer."""
+    return [chat_prompt_ids(tokenizer, [*system, {"role": "user", "content": users[0]}]) for _, system, users in records]
+
+
+def main() -> None:
+    parser = first_turns_arguments(__doc__)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer, records = first_turns(args, device)
+    cfg = RegenerateConfig(enabled=True, max_new_tokens=args.max_new_tokens, batch_size=len(records))
+    use_grouped_decode(model)  # as a regeneration attempt loads it
+    warm = records[:2]  # each path once, untimed: first-call costs (kernel selection, allocator growth) are neither's
+    _answer_batch(model, tokenizer, batch_order(warm), cfg.model_copy(update={"batch_size": len(warm)}), device)
+    padded, padded_s = timed(lambda: _answer_batch(model, tokenizer, batch_order(records), cfg, device))
+    answers = {entry["id"]: entry["messages"][-1]["content"] for entry in padded if "messages" in entry}
+
+    model.set_attn_implementation("sdpa")  # continuous batching pages its own sdpa
+    eos = sorted(eos_token_ids(tokenizer, model))
+    prompts = chat_prompts(tokenizer, records)
+    greedy = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+    paged = ContinuousBatchingConfig()
+    if device.type == "cpu":
+        paged = ContinuousBatchingConfig(
+            num_blocks=math.ceil(sum(len(p) + args.max_new_tokens for p in prompts) / paged.page_size) + len(prompts)
+        )
+    model.generate_batch(prompts[:2], generation_config=greedy, continuous_batching_config=paged)
+    served, continuous_s = timed(lambda: model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=paged))
+    continuous = {rid: [t for t in served[f"req_{i}"].generated_tokens if t not in eos] for i, (rid, _, _) in enumerate(records)}
 
     same = sum(tokenizer.decode(ids, skip_special_tokens=True).strip() == answers.get(rid) for rid, ids in continuous.items())
     result = {

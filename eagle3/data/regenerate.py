@@ -117,19 +117,35 @@ def batch_cache(model, length: int) -> dict:
     return {"past_key_values": cache, "cache_implementation": None}
 
 
-@inference_mode
-def _generate(model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig, device) -> list[tuple[list[int], str]]:
-    """Greedy/sampled continuations of each chat-templated prompt: (new token ids, finish reason)."""
+def left_padded(prompts: list[list[int]], pad: int):
+    """`prompts` as one batch for `generate`: (input ids, attention mask), each [prompts, longest],
+    padded on the left so every row's answer starts at the same column."""
     import torch
 
     width = max(map(len, prompts))
-    simulate_oom_above(len(prompts) * width, f"{len(prompts)} x {width} padded prompt tokens")  # as extraction's prefill
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
         ids[row, width - len(p) :] = torch.tensor(p)
         mask[row, width - len(p) :] = 1
+    return ids, mask
+
+
+def until_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], str]:
+    """A generated row up to its first end-of-sequence token, and why it ended: `stop` or `length`."""
+    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+    return (tokens[:stop], "stop") if stop is not None else (tokens, "length")
+
+
+@inference_mode
+def _generate(model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig, device) -> list[tuple[list[int], str]]:
+    """Greedy/sampled continuations of each chat-templated prompt: (new token ids, finish reason)."""
+    import torch
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids, mask = left_padded(prompts, pad)
+    width = ids.shape[1]
+    simulate_oom_above(ids.numel(), f"{len(prompts)} x {width} padded prompt tokens")  # as extraction's prefill
     torch.manual_seed(cfg.seed)
     sampling = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p} if cfg.temperature > 0 else {"do_sample": False}
     out = model.generate(
@@ -142,11 +158,7 @@ def _generate(model, tokenizer, prompts: list[list[int]], cfg: RegenerateConfig,
         **sampling,
     )[:, width:].tolist()
     eos = eos_token_ids(tokenizer, model)
-    results = []
-    for tokens in out:
-        stop = next((i for i, t in enumerate(tokens) if t in eos), None)
-        results.append((tokens[:stop], "stop") if stop is not None else (tokens, "length"))
-    return results
+    return [until_eos(tokens, eos) for tokens in out]
 
 
 def _answer_text(content: str, reasoning: str | None, strip_thinking: bool) -> str:

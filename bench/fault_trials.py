@@ -79,10 +79,11 @@ def artifacts_by_kind(store: Path, record: dict) -> dict[str, list[str]]:
 
 
 def _measured(store: Path, digest: str) -> dict:
-    """An evaluation's figures less its timings (tokens/s differ from run to run)."""
+    """An evaluation's figures less its timings (speeds differ from run to run)."""
     report = json.loads((store / "artifacts" / digest / "report.json").read_text())
     for row in report["results"]:
-        row.pop("tokens_per_s", None)
+        for timing in ("tokens_per_s", "greedy_tokens_per_s", "speed_up"):
+            row.pop(timing, None)
     per_prompt = store / "artifacts" / digest / "per_prompt.json"
     return {"report": report, "per_prompt": per_prompt.read_text() if per_prompt.exists() else None}
 

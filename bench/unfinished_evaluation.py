@@ -73,6 +73,7 @@ def summarize(entries: list[dict], baseline: Path, prompts: Path | None) -> dict
             "gain_se": _rounded(gains[k]["standard_error"]) if k in gains else None,
             "accepted_by_position": [round(a, 3) for a in result["acceptance_by_position"]],
             "eagle3_tokens_per_s": round(result["tokens_per_s"], 1),
+            "eagle3_speedup": round(result["speed_up"], 2),
         }
         if k in ngram and categories and None not in categories:
             row["by_category"] = category_rows(draft.counts[k], ngram[k], [categories[i] for i in ids], k)
@@ -86,7 +87,18 @@ def print_summary(summary: dict) -> None:
         f"first-token accuracy {summary['draft_token_accuracy']}, draft vocab coverage {summary['draft_vocab_coverage']}; "
         f"{summary['mismatches']} decodes differ from greedy"
     )
-    columns = ["eagle3", "eagle3_se", "ngram", "ngram_se", "gain", "gain_se", "accepted_by_position", "tokens", "eagle3_tokens_per_s"]
+    columns = [
+        "eagle3",
+        "eagle3_se",
+        "ngram",
+        "ngram_se",
+        "gain",
+        "gain_se",
+        "accepted_by_position",
+        "tokens",
+        "eagle3_tokens_per_s",
+        "eagle3_speedup",
+    ]
     print(markdown_table("k", summary["by_k"], columns))
     for k, row in summary["by_k"].items():
         if categories := row.get("by_category"):

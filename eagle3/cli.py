@@ -408,16 +408,15 @@ def _print_evaluation(result, sample_data: bool) -> None:
         line = f"  {r['method']:>6} k={r['k']}: tau {with_error(r['tau'], r['tau_standard_error'])}"
         if r["method"] == "eagle3" and (gain := gains.get(r["k"])) and gain["gain"] is not None:
             line += f", {with_error(gain['gain'], gain['standard_error'], signed=True)} over n-gram"
-        if (speed_up := evaluation.speed_up(r.get("tokens_per_s"))) is not None:
+        if (speed_up := evaluation.speed_up(r)) is not None:
             line += f"; {r['tokens_per_s']:.1f} tok/s, {speed_up:.2f}x plain greedy"
         elif r.get("tokens_per_s"):
             line += f"; {r['tokens_per_s']:.1f} tok/s"
         print(line)
     if greedy:
-        elsewhere = (
-            "" if evaluation.greedy_on == evaluation.measured_on else f"; the draft on {evaluation.measured_on}: no speed-up across the two"
-        )
-        print(f"  plain greedy: {greedy:.1f} tok/s (batch 1, {evaluation.greedy_on}{elsewhere})")
+        print(f"  plain greedy: {greedy:.1f} tok/s (batch 1, {evaluation.greedy_on}, decoded beside the draft)")
+    if ngram_greedy := next((r["greedy_tokens_per_s"] for r in evaluation.results if r["method"] == "ngram"), None):
+        print(f"  n-gram's speed-ups: over its baselines' plain greedy, {ngram_greedy:.1f} tok/s ({evaluation.baselines_measured_on})")
     if evaluation.draft_token_accuracy is not None:
         print(f"draft's first-token accuracy on these outputs, per token as in validation: {evaluation.draft_token_accuracy:.3f}")
     if evaluation.draft_vocab_coverage is not None:

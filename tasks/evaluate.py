@@ -60,7 +60,8 @@ def evaluate_task(
         table=decode_rows(manifest.results),
         description=f"measured tau (tau_sim {manifest.tau_sim:.3f}); "
         + (
-            f"plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s on {baselines.measured_on}, the draft on {manifest.measured_on}"
+            f"plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s, decoded beside the draft on {manifest.measured_on}; "
+            f"n-gram's speed-ups are over its baselines' greedy, decoded on {baselines.measured_on}"
             if baselines is not None
             else f"from the spec-decode counters of {cfg.endpoint.display_url}"
         ),

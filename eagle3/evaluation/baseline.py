@@ -5,8 +5,9 @@ output every speculative decode must equal and the speed without a draft, and wi
 lookup at every k in `ks`, which gives the tau of no training at all. None of it depends on the
 draft, so it is an artifact of its own: evaluating a new draft for the same verifier, prompts and
 decoding settings runs only the draft's decodes. The key holds the device type (CPU or CUDA) the
-decodes run on, since the speeds are compared with the draft's; `measured_on` names the device
-and the verifier's forward (`eagle3.verifier.forward`).
+decodes run on: the draft's decodes are checked token for token against the reference, and a GPU's
+reduced-precision greedy output may differ from a CPU's; `measured_on` names the device and the
+verifier's forward (`eagle3.verifier.forward`).
 
 Output `reference.json`: the greedy tokens of each prompt, in order; `per_prompt.json`: each
 prompt's n-gram counts at each k as tau takes them (tokens: accepted draft tokens plus one per
@@ -57,6 +58,7 @@ __all__ = [
     "eval_prompts",
     "measure_baselines",
     "read_prompts",
+    "tokens_per_s",
 ]
 
 logger = logging.getLogger(__name__)
@@ -178,15 +180,23 @@ def chat_prompts(verifier: VerifierManifest, texts: list[str], source: Path) -> 
     return prompts
 
 
-def decode_summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
+def tokens_per_s(runs: list[DecodeStats]) -> float:
+    """The speed of decoding `runs` one after another."""
+    return sum(len(run.tokens) for run in runs) / sum(run.seconds for run in runs)
+
+
+def decode_summary(method: str, k: int, runs: list[DecodeStats], greedy: list[DecodeStats]) -> dict:
     """tau (tokens per verifier pass) and its standard error over prompts, acceptance by draft
-    position, speed and counts of `runs` (one per prompt). Position i's acceptance is over the
+    position, speed and counts of `runs` (one per prompt), and the speed-up over `greedy`: the
+    plain greedy decodes of the same prompts, each decoded next to its prompt's run, so that both
+    speeds meet the same device, forward and load. Position i's acceptance is over the
     passes that drafted an i-th token (`drafts_by_position`), as vLLM's counters divide by its
     drafts: the last passes before `max_new_tokens` draft fewer than k, and n-gram drafts nothing
     where it finds no match. So tau = 1 + sum(acceptance x drafts) / verifier_passes."""
     passes = [(a, d) for run in runs for a, d in zip(run.accepted_per_pass, run.drafted_per_pass, strict=True)]
     tokens, counts = sum(len(run.tokens) for run in runs), per_prompt_counts(runs)
     drafts_by_position = [sum(d >= i for _, d in passes) for i in range(1, k + 1)]
+    speed, greedy_speed = tokens_per_s(runs), tokens_per_s(greedy)
     return {
         "method": method,
         "k": k,
@@ -196,7 +206,9 @@ def decode_summary(method: str, k: int, runs: list[DecodeStats]) -> dict:
             sum(a >= i for a, d in passes if d >= i) / max(drafts, 1) for i, drafts in enumerate(drafts_by_position, 1)
         ],
         "drafts_by_position": drafts_by_position,
-        "tokens_per_s": tokens / sum(run.seconds for run in runs),
+        "tokens_per_s": speed,
+        "greedy_tokens_per_s": greedy_speed,
+        "speed_up": speed / greedy_speed,
         "verifier_passes": len(passes),
         "tokens": tokens,
     }
@@ -297,8 +309,8 @@ def measure_baselines(
                 path=out,
                 num_prompts=len(prompts),
                 num_tokens=num_tokens,
-                greedy_tokens_per_s=num_tokens / sum(r.seconds for r in references),
-                results=[decode_summary("ngram", k, runs) for k, runs in ngram.items()],
+                greedy_tokens_per_s=tokens_per_s(references),
+                results=[decode_summary("ngram", k, runs, references) for k, runs in ngram.items()],
                 mismatches=mismatches,
                 measured_on=entries[0]["measured_on"],
                 seconds=clock(),

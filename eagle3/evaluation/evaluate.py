@@ -1,13 +1,17 @@
 """Evaluate: measured acceptance length of the exported draft, by real speculative decoding.
 
 For each prompt the verifier decodes `max_new_tokens` tokens greedily with the EAGLE-3 draft at
-every k in `ks`, and each output is compared token for token with the plain greedy one of the
-baselines (`eagle3.evaluation.baseline`: plain greedy and n-gram prompt lookup, measured once per verifier
-and prompts); the report counts any difference.
+every k in `ks`, and plainly greedy next to them, and each output is compared token for token with
+the plain greedy one of the baselines (`eagle3.evaluation.baseline`: plain greedy and n-gram prompt
+lookup, measured once per verifier and prompts); the report counts any difference. The draft's
+speed-up is over this step's own greedy decodes, not the baselines': baselines are cached, and a
+cached one was timed at another time, perhaps on another host of the same GPU model, under another
+load.
 
 Output `report.json`: per method and k (the baselines' n-gram rows included), tau (tokens per
 verifier pass) and its standard error over prompts, the acceptance rate of each draft position,
-tokens/s, and the number of prompts and tokens; at each k, what the draft adds over n-gram
+tokens/s and the speed-up over plain greedy decoding of the same prompts (each n-gram row over
+the greedy decodes of its baselines run), and the number of prompts and tokens; at each k, what the draft adds over n-gram
 (`gains_over_ngram`: the difference of the two taus and its standard error, paired over the same
 prompts); plus the training-time simulated tau for comparison, and the draft's teacher-forced
 first-token accuracy on the greedy outputs (`draft_token_accuracy`: what validation's step-0
@@ -15,7 +19,7 @@ accuracy would be on these prompts, counted per token rather than per verifier p
 ceiling, the share of those tokens the draft vocabulary holds (`draft_vocab_coverage`: if low,
 raise `vocab.draft_vocab_size`). `per_prompt.json`: each prompt's counts per method and k as tau
 takes them (tokens: accepted draft tokens plus one per verifier pass; passes), in prompt order,
-to break tau down by kind of prompt or compare two drafts on the same prompts. Cost: len(ks)
+to break tau down by kind of prompt or compare two drafts on the same prompts. Cost: len(ks) + 1
 decodes per prompt, and one forward of the verifier and the draft over each greedy output. Each
 prompt's figures are appended to `done.jsonl` in the work dir as they finish (`eagle3.store.done_log`),
 so a run killed midway resumes at its first undecoded prompt. On a GPU the verifier's passes and
@@ -47,9 +51,10 @@ from eagle3.evaluation.baseline import (
     decode_remaining,
     decode_summary,
     eval_prompts,
+    tokens_per_s,
 )
 from eagle3.evaluation.served_acceptance import measure_served_acceptance
-from eagle3.evaluation.speculative import DecodeStats, speculative_decode
+from eagle3.evaluation.speculative import DecodeStats, greedy_decode, speculative_decode
 from eagle3.evaluation.tau import PER_PROMPT, Counts, gain_over, per_prompt_counts, read_counts
 from eagle3.extraction.shards import HiddenStatesManifest
 from eagle3.runtime.attempts import NO_GPU, GpuClaim
@@ -77,12 +82,13 @@ class EvalManifest(ArtifactManifest):
     num_tokens: int
     tau_sim: float
     results: list[dict]
-    greedy_tokens_per_s: float | None  # None: not measured (backend 'vllm')
+    greedy_tokens_per_s: float | None  # the draft's rows' plain greedy (None: not measured, backend 'vllm')
     mismatches: int | None
     draft_token_accuracy: float | None = None  # teacher-forced step-0 accuracy on the greedy outputs (None: backend 'vllm')
     draft_vocab_coverage: float | None = None  # share of those drafted tokens inside the draft vocabulary (None: backend 'vllm')
     measured_on: str | None = None  # the device and verifier forward of the draft's decodes (None: backend 'vllm')
-    greedy_measured_on: str | None = None  # those of plain greedy's, the baselines' (a cached one may be another GPU's)
+    greedy_measured_on: str | None = None  # where `greedy_tokens_per_s` was decoded: since evaluation 5, `measured_on`
+    baselines_measured_on: str | None = None  # where the n-gram rows and their greedy were decoded (None: backend 'vllm')
     gains_over_ngram: list[dict] | None = None  # per k: draft tau minus n-gram tau, paired standard error (None: backend 'vllm')
 
     @property
@@ -91,12 +97,16 @@ class EvalManifest(ArtifactManifest):
         recorded is taken at its word: where the draft was)."""
         return self.greedy_measured_on or self.measured_on
 
-    def speed_up(self, tokens_per_s: float | None) -> float | None:
-        """`tokens_per_s` over plain greedy's; None where either is unmeasured or the two were decoded
-        on different devices or verifier forwards, whose ratio is no speed-up."""
-        if not (tokens_per_s and self.greedy_tokens_per_s) or self.greedy_on != self.measured_on:
+    def speed_up(self, row: dict) -> float | None:
+        """`row`'s (one of `results`) tokens/s over plain greedy's of the same prompts; None where
+        either is unmeasured, or the two were decoded on different devices or verifier forwards.
+        Rows hold their own since evaluation 5 (`decode_summary`); an earlier evaluation's are
+        over the baselines' greedy."""
+        if "speed_up" in row:
+            return row["speed_up"]
+        if not (row.get("tokens_per_s") and self.greedy_tokens_per_s) or self.greedy_on != self.measured_on:
             return None
-        return tokens_per_s / self.greedy_tokens_per_s
+        return row["tokens_per_s"] / self.greedy_tokens_per_s
 
     def counts(self, method: str, k: int) -> Counts | None:
         """Each prompt's (tokens, verifier passes) with `method` at k (None: not measured, or backend 'vllm')."""
@@ -136,6 +146,7 @@ class _Measured:
     draft_vocab_coverage: float | None = None
     measured_on: str | None = None
     greedy_measured_on: str | None = None
+    baselines_measured_on: str | None = None
     gains_over_ngram: list[dict] | None = None
     per_prompt: dict[str, dict[int, list]] | None = None  # method -> k -> (tokens, passes) of each prompt
 
@@ -157,10 +168,11 @@ def _decode_prompts(
     done_log: Path,
     max_memory: dict | None = None,
 ) -> dict:
-    """Decode every prompt not in `done` with the draft at each k on `device` (the verifier's layers
-    spread over the devices of `max_memory` where given; the draft on `device`) and measure its
-    first-token accuracy on the greedy output, appending each prompt to `done_log` as it finishes;
-    all entries."""
+    """Decode every prompt not in `done` plainly greedy, then with the draft at each k, on `device`
+    (the verifier's layers spread over the devices of `max_memory` where given; the draft on
+    `device`) and measure the draft's first-token accuracy on the greedy output, appending each
+    prompt to `done_log` as it finishes; all entries. Greedy runs on the forward the draft's
+    decodes use, whose passes also copy the aux states out: a few small copies next to a pass."""
     import torch
 
     from eagle3.evaluation.draft_proposer import draft_token_accuracy, proposer_for
@@ -175,8 +187,15 @@ def _decode_prompts(
         prompt, reference = on.prompts[i], references[i]
         correct, drafted = draft_token_accuracy(on.model, capture, draft, prompt, reference)
         covered = draft.in_vocabulary(reference[1:])  # the positions draft_token_accuracy counts
+        greedy = greedy_decode(forward, prompt, cfg.max_new_tokens, on.eos_ids)
         runs = {k: speculative_decode(forward, draft, prompt, cfg.max_new_tokens, k, on.eos_ids) for k in cfg.ks}
-        return {"runs": {str(k): asdict(run) for k, run in runs.items()}, "correct": correct, "drafted": drafted, "covered": covered}
+        return {
+            "greedy": asdict(greedy),
+            "runs": {str(k): asdict(run) for k, run in runs.items()},
+            "correct": correct,
+            "drafted": drafted,
+            "covered": covered,
+        }
 
     def record_graphs() -> None:
         forward.record_graphs(max(cfg.ks) + 1)
@@ -192,8 +211,9 @@ def _decode_prompts(
 class DraftDecodes:
     """The figures of the draft's decodes of some prompts, beside n-gram's decodes of the same ones."""
 
-    results: list[dict]  # per k: tau, its standard error, acceptance by position, speed (`decode_summary`)
-    mismatches: int  # decodes (all k) that differ from the greedy reference
+    results: list[dict]  # per k: tau, its standard error, acceptance by position, speed and speed-up (`decode_summary`)
+    greedy_tokens_per_s: float  # of the plain greedy decodes beside the draft's
+    mismatches: int  # decodes (greedy's and each k's) that differ from the greedy reference
     draft_token_accuracy: float | None  # None: nothing was drafted (every answer one token long)
     draft_vocab_coverage: float | None
     gains_over_ngram: list[dict]  # per k n-gram was measured at: the draft's gain, paired standard error
@@ -203,12 +223,14 @@ class DraftDecodes:
 def summarize_decodes(ks: list[int], entries: list[dict], references: list[list[int]], ngram: dict[int, Counts]) -> DraftDecodes:
     """`entries`: the evaluation's logged prompts; `references`: their greedy outputs, and `ngram`
     (per k): n-gram's counts of the same prompts, in the same order."""
+    greedy = [DecodeStats(**entry["greedy"]) for entry in entries]
     runs = {k: [DecodeStats(**entry["runs"][str(k)]) for entry in entries] for k in ks}
     correct, covered, drafted = (sum(entry[field] for entry in entries) for field in ("correct", "covered", "drafted"))
     counts = {k: per_prompt_counts(r) for k, r in runs.items()}
     return DraftDecodes(
-        results=[decode_summary("eagle3", k, r) for k, r in runs.items()],
-        mismatches=sum(run.tokens != reference for k_runs in runs.values() for run, reference in zip(k_runs, references)),
+        results=[decode_summary("eagle3", k, r, greedy) for k, r in runs.items()],
+        greedy_tokens_per_s=tokens_per_s(greedy),
+        mismatches=sum(run.tokens != reference for decodes in [greedy, *runs.values()] for run, reference in zip(decodes, references)),
         draft_token_accuracy=correct / drafted if drafted else None,
         draft_vocab_coverage=covered / drafted if drafted else None,
         gains_over_ngram=[_gain_row(k, counts[k], ngram[k]) for k in ks if k in ngram],
@@ -221,16 +243,17 @@ def _summarize(cfg: EvalConfig, entries: list[dict], references: list[list[int]]
     ngram = {k: counts for k in cfg.ks if (counts := baselines.counts("ngram", k)) is not None}
     draft = summarize_decodes(cfg.ks, entries, references, ngram)
     if draft.mismatches:
-        logger.warning("%d speculative decodes differ from plain greedy decoding (numerical ties?)", draft.mismatches)
+        logger.warning("%d decodes differ from the baselines' plain greedy output (numerical ties?)", draft.mismatches)
     return _Measured(
         results=draft.results + baselines.results,
         num_tokens=baselines.num_tokens,
-        greedy_tokens_per_s=baselines.greedy_tokens_per_s,
+        greedy_tokens_per_s=draft.greedy_tokens_per_s,
         mismatches=draft.mismatches + baselines.mismatches,
         draft_token_accuracy=draft.draft_token_accuracy,
         draft_vocab_coverage=draft.draft_vocab_coverage,
         measured_on=entries[0]["measured_on"],
-        greedy_measured_on=baselines.measured_on,
+        greedy_measured_on=entries[0]["measured_on"],
+        baselines_measured_on=baselines.measured_on,
         gains_over_ngram=draft.gains_over_ngram,
         per_prompt={"eagle3": draft.counts, "ngram": ngram},
     )
@@ -350,6 +373,7 @@ def evaluate(
                 draft_vocab_coverage=measured.draft_vocab_coverage,
                 measured_on=measured.measured_on,
                 greedy_measured_on=measured.greedy_measured_on,
+                baselines_measured_on=measured.baselines_measured_on,
                 gains_over_ngram=measured.gains_over_ngram,
                 seconds=clock(),
             ),

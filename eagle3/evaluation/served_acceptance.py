@@ -111,7 +111,8 @@ def measure_served_acceptance(cfg: EvalConfig, prompts: list[str], prompts_path:
     Returns:
         One result row shaped as `eagle3.evaluation.evaluate`'s: method, k (the server's), tau,
         tau_standard_error (None: the counters are totals, not per prompt), acceptance_by_position,
-        drafts_by_position (every draft drafts k), tokens_per_s (all requests together), verifier_passes, tokens.
+        drafts_by_position (every draft drafts k), tokens_per_s (all requests together), greedy_tokens_per_s
+        and speed_up (None: the server decodes no plain greedy beside the draft), verifier_passes, tokens.
 
     Raises:
         EndpointError: the server is unreachable, does not serve `endpoint.model`, or has no draft.
@@ -140,6 +141,8 @@ def measure_served_acceptance(cfg: EvalConfig, prompts: list[str], prompts_path:
         "acceptance_by_position": [a / drafts for a in counted.accepted_per_position],
         "drafts_by_position": [int(counted.drafts)] * len(counted.accepted_per_position),
         "tokens_per_s": tokens / seconds,
+        "greedy_tokens_per_s": None,
+        "speed_up": None,
         "verifier_passes": int(counted.drafts),
         "tokens": tokens,
     }

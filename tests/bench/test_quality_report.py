@@ -33,7 +33,7 @@ def test_the_row_gives_each_methods_tokens_per_second_and_the_drafts_speed_up_ov
     row = quality.eval_row(evaluation, None)
 
     assert (row["greedy_tok_s"], row["eagle3_k3_tok_s"], row["ngram_k3_tok_s"]) == (201.1, 331.4, 298.6)
-    assert row["eagle3_k3_speedup"] == 1.65
+    assert (row["eagle3_k3_speedup"], row["ngram_k3_speedup"]) == (1.65, 1.49)  # recorded when both were over the baselines' greedy
 
 
 def test_the_fc_norm_runs_speed_ups_are_the_ones_the_docs_quote(quality):

@@ -133,9 +133,9 @@ def test_acceptance_by_position_is_over_the_passes_that_drafted_there(verifier_m
 
     assert oracle.tokens == reference
     assert (oracle.accepted_per_pass, oracle.drafted_per_pass) == ([4, 4, 1], [4, 4, 1])  # 1 + 5 + 5 + 1 tokens
-    assert decode_summary("eagle3", 4, [oracle])["acceptance_by_position"] == [1.0, 1.0, 1.0, 1.0]
+    assert decode_summary("eagle3", 4, [oracle], [oracle])["acceptance_by_position"] == [1.0, 1.0, 1.0, 1.0]
     assert nothing.drafted_per_pass == [0] * 11
-    assert decode_summary("ngram", 4, [nothing])["acceptance_by_position"] == [0.0, 0.0, 0.0, 0.0]
+    assert decode_summary("ngram", 4, [nothing], [oracle])["acceptance_by_position"] == [0.0, 0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("norms", ["norm_before_fc", "fc_norm"])
@@ -365,7 +365,13 @@ def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported,
     assert manifest.mismatches == 0 and manifest.num_prompts == 2
     assert [(r["method"], r["k"]) for r in manifest.results] == [("eagle3", 2), ("eagle3", 4), ("ngram", 2), ("ngram", 4)]
     assert manifest.results[2:] == baselines.results
-    assert (manifest.num_tokens, manifest.greedy_tokens_per_s) == (baselines.num_tokens, baselines.greedy_tokens_per_s)
+    assert manifest.num_tokens == baselines.num_tokens
+    assert manifest.greedy_measured_on == manifest.measured_on  # greedy decoded in the step, beside the draft
+    assert manifest.baselines_measured_on == baselines.measured_on  # where the n-gram rows' speeds come from
+    for r in manifest.results:  # each row's speed-up over the greedy decodes beside its own
+        greedy = baselines.greedy_tokens_per_s if r["method"] == "ngram" else manifest.greedy_tokens_per_s
+        assert r["greedy_tokens_per_s"] == greedy and r["speed_up"] == pytest.approx(r["tokens_per_s"] / greedy)
+        assert manifest.speed_up(r) == r["speed_up"]
     for r in manifest.results:
         assert 1.0 <= r["tau"] <= r["k"] + 1
         assert len(r["acceptance_by_position"]) == r["k"]
@@ -425,7 +431,7 @@ def test_a_draft_output_that_differs_from_the_baselines_greedy_output_is_a_misma
         baselines.model_copy(update={"path": altered}),
     )
 
-    assert manifest.mismatches == len(cfg.ks)  # that prompt's decode at each k
+    assert manifest.mismatches == len(cfg.ks) + 1  # that prompt's decode at each k, and its plain greedy one
 
 
 def test_baselines_of_other_prompts_are_refused_by_name(exported, two_prompts):
@@ -451,7 +457,7 @@ def test_baselines_measured_with_other_settings_are_refused_by_field(exported, t
 
 
 def test_baselines_are_keyed_by_device_type_and_decoding_not_by_the_eval_backend_or_a_files_location(exported, two_prompts):
-    """A CPU-measured baseline is never handed to a CUDA evaluation, whose speeds it is compared with."""
+    """A CPU-measured baseline is never handed to a CUDA evaluation, whose outputs are checked against its reference."""
     store, verifier, _, _ = exported
     cfg, prompts, _ = two_prompts
     moved = write_jsonl(store.root / "moved-prompts.jsonl", [json.loads(line) for line in prompts.read_text().splitlines()])
@@ -521,7 +527,8 @@ def test_a_killed_baselines_run_resumes_at_its_first_undecoded_prompt(exported, 
     assert not (store.root / "work" / f"baseline-{provenance.key[:24]}").exists()  # the log went with the work dir
 
 
-def test_a_speed_up_is_only_over_greedy_decoded_on_the_same_device_and_forward(tmp_path):
+def test_an_earlier_evaluations_speed_up_is_only_over_greedy_decoded_on_the_same_device_and_forward(tmp_path):
+    """Evaluations before version 5 kept no speed-up in their rows: theirs is over the baselines' greedy."""
     on_h100 = EvalManifest(
         path=tmp_path,
         num_prompts=1,
@@ -534,9 +541,11 @@ def test_a_speed_up_is_only_over_greedy_decoded_on_the_same_device_and_forward(t
         greedy_measured_on="H100; graphs",
     )
 
-    assert on_h100.speed_up(180.0) == 1.8 and on_h100.speed_up(None) is None
-    assert on_h100.model_copy(update={"greedy_measured_on": "H200; graphs"}).speed_up(180.0) is None  # a cached baseline's GPU
-    assert on_h100.model_copy(update={"greedy_measured_on": None}).speed_up(180.0) == 1.8  # recorded before the field was
+    row = {"method": "eagle3", "k": 3, "tokens_per_s": 180.0}
+    assert on_h100.speed_up(row) == 1.8 and on_h100.speed_up({"method": "eagle3", "k": 3}) is None
+    assert on_h100.model_copy(update={"greedy_measured_on": "H200; graphs"}).speed_up(row) is None  # a cached baseline's GPU
+    assert on_h100.model_copy(update={"greedy_measured_on": None}).speed_up(row) == 1.8  # recorded before the field was
+    assert on_h100.speed_up(row | {"speed_up": 1.5}) == 1.5  # a row's own, over the greedy decoded beside it
 
 
 @pytest.mark.parametrize("graphs, calls", [(True, ["record", 1, 1, 2]), (False, [1, 2])])
@@ -590,7 +599,9 @@ def test_a_killed_evaluation_resumes_at_its_first_undecoded_prompt(exported, two
     ids, references = chat_prompts(verifier, read_prompts(prompts, cfg.num_prompts), prompts), baselines.reference()
     first = evaluate_module._decode_prompts(cfg, "cpu", checkpoint, hidden, verifier, ids[:1], references[:1], {}, tmp_path / DONE_LOG)[0]
     provenance, claims = Provenance(config={"run": "evaluation killed after one prompt"}), []
-    plant_done_log(store, "evaluation", provenance, [tagged(first, "2", 1000.0)], torn='{"id": 1, "measured_on": "cp')
+    plant_done_log(
+        store, "evaluation", provenance, [tagged(tagged(first, "2", 1000.0), "greedy", 500.0)], torn='{"id": 1, "measured_on": "cp'
+    )
     full = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "uninterrupted"}), baselines)
 
     resumed = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, baselines, claim=lambda: counted_claim(claims))
@@ -601,7 +612,8 @@ def test_a_killed_evaluation_resumes_at_its_first_undecoded_prompt(exported, two
     assert (resumed.draft_token_accuracy, resumed.draft_vocab_coverage) == (full.draft_token_accuracy, full.draft_vocab_coverage)
     assert resumed.counts("eagle3", 4) == full.counts("eagle3", 4)
     [k2] = [r for r in resumed.results if (r["method"], r["k"]) == ("eagle3", 2)]
-    assert k2["tokens_per_s"] < k2["tokens"] / 1000.0  # the first prompt's logged decode was kept
+    assert k2["tokens_per_s"] < k2["tokens"] / 1000.0  # the first prompt's logged decodes were kept
+    assert resumed.greedy_tokens_per_s < resumed.num_tokens / 500.0 and k2["greedy_tokens_per_s"] == resumed.greedy_tokens_per_s
     assert sorted(p.name for p in resumed.path.iterdir()) == ["manifest.json", "per_prompt.json", "report.json"]
 
     claims.clear()

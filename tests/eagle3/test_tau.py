@@ -43,12 +43,13 @@ def test_tau_standard_error_agrees_with_a_leave_one_prompt_out_jackknife():
 
 def test_a_decode_summary_takes_tau_and_its_error_from_the_per_prompt_counts():
     runs = _decoded([2, 2], [0, 0, 0, 0])
-    summary = decode_summary("eagle3", 3, runs)
+    summary = decode_summary("eagle3", 3, runs, _decoded([0, 0, 0, 0], [0, 0, 0, 0]))
 
     assert summary["tau"] == tau_from_counts(per_prompt_counts(runs)) == pytest.approx(10 / 6)
     assert summary["tau_standard_error"] == pytest.approx(8 / 9)
     assert summary["acceptance_by_position"] == pytest.approx([2 / 6, 2 / 6, 0.0])
-    one_token_answers = decode_summary("eagle3", 3, _decoded([], []))
+    assert (summary["tokens_per_s"], summary["greedy_tokens_per_s"], summary["speed_up"]) == (5.0, 4.0, 1.25)  # 10 and 8 tokens in 2 s
+    one_token_answers = decode_summary("eagle3", 3, _decoded([], []), _decoded([0], [0]))
     assert (one_token_answers["tau"], one_token_answers["tau_standard_error"]) == (0.0, None)
 
 

@@ -60,7 +60,10 @@ def test_default_run_trains_a_loadable_smollm2_draft(prefect_server, tmp_path, c
     assert "eagle3 k=3: tau" in printed
     greedy, draft = evaluation["greedy_tokens_per_s"], next(r for r in evaluation["results"] if (r["method"], r["k"]) == ("eagle3", 3))
     assert f"{draft['tokens_per_s']:.1f} tok/s, {draft['tokens_per_s'] / greedy:.2f}x plain greedy" in printed
-    assert f"plain greedy: {greedy:.1f} tok/s (batch 1, {evaluation['measured_on']})" in printed
+    assert f"plain greedy: {greedy:.1f} tok/s (batch 1, {evaluation['measured_on']}, decoded beside the draft)" in printed
+    ngram = next(r for r in evaluation["results"] if (r["method"], r["k"]) == ("ngram", 3))
+    assert f"{ngram['tokens_per_s']:.1f} tok/s, {ngram['speed_up']:.2f}x plain greedy" in printed
+    assert f"over its baselines' plain greedy, {ngram['greedy_tokens_per_s']:.1f} tok/s ({evaluation['baselines_measured_on']})" in printed
     assert f"per token as in validation: {evaluation['draft_token_accuracy']:.3f}" in printed
     assert f"(accuracy's ceiling): {evaluation['draft_vocab_coverage']:.3f}" in printed
     [replay] = (store / "runs").glob("*.yaml")

@@ -28,6 +28,7 @@ __all__ = [
     "gpu_count",
     "gpu_memory_bytes",
     "gpu_memory_used_mib",
+    "gpu_uuid",
     "host_gpu_ids",
     "in_process_device",
     "inference_mode",
@@ -122,6 +123,15 @@ def gpu_memory_bytes(devices: list[str]) -> list[int] | None:
     return None if rows is None else [int(mib) * 2**20 for (mib,) in rows]
 
 
+def gpu_uuid(device: str) -> str:
+    """`device` (an index or a UUID, as CUDA_VISIBLE_DEVICES names it) by its UUID, the name every run
+    on the host agrees on however it was told the device; `device` itself where nvidia-smi does not
+    know it or is not there. An index is nvidia-smi's (PCI bus order), which is CUDA's on a host of
+    one GPU model (CUDA orders fastest first)."""
+    rows = _nvidia_smi("uuid", [device])
+    return rows[0][0] if rows and rows[0] and rows[0][0] else device
+
+
 def host_gpu_ids() -> list[str]:
     """This host's GPUs as CUDA_VISIBLE_DEVICES names them (respecting an existing restriction)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -139,18 +149,20 @@ def in_process_device(devices: list[str] | None, fallback: str) -> str:
 @contextmanager
 def lock_free_gpus(candidates: list[str], count: int, lock_dir: Path | None = None, timeout_s: float | None = 3600) -> Iterator[list[str]]:
     """Hold `count` of `candidates` that no other process on this host holds, by a lock per device
-    (`eagle3.runtime.locks`: dropped at once when a holder dies). Waits while too few are free, for
-    `timeout_s` at most (None: as long as it takes, as a queue for the host's GPUs)."""
+    named by its UUID (`gpu_uuid`: a run told "0" and one told "GPU-8f3c..." of the same device meet
+    at one lock; `eagle3.runtime.locks`: dropped at once when a holder dies). Waits while too few are
+    free, for `timeout_s` at most (None: as long as it takes, as a queue for the host's GPUs)."""
     if count > len(candidates):
         raise RuntimeError(f"{count} GPU(s) requested but this host has {len(candidates)}: {candidates}")
     lock_dir = lock_dir or GPU_LOCK_DIR
+    locks = {device: lock_dir / f"gpu-{gpu_uuid(device)}.lock" for device in candidates}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     waiting = False
     while True:
         with ExitStack() as held:
             devices: list[str] = []
             for device in candidates:
-                if len(devices) < count and held.enter_context(exclusive_if_free(lock_dir / f"gpu-{device}.lock", remove=False)):
+                if len(devices) < count and held.enter_context(exclusive_if_free(locks[device], remove=False)):
                     devices.append(device)
             if len(devices) == count:
                 yield devices

@@ -224,3 +224,33 @@ def test_a_gpu_child_does_not_outlive_a_killed_flow_process(kind):
     finally:
         if not _gone(child, 0):
             os.kill(child, signal.SIGKILL)
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+# The driver's tool on a host of two GPUs, as much as gpu_uuid asks of it: --query-gpu=uuid -i DEVICE.
+for arg in "$@"; do device="$arg"; done
+case "$device" in
+  0|GPU-aaaa) echo GPU-aaaa ;;
+  1|GPU-bbbb) echo GPU-bbbb ;;
+  *) echo "No devices were found"; exit 6 ;;
+esac
+"""
+
+
+def test_a_gpu_named_by_index_and_by_uuid_is_one_lock(tmp_path, monkeypatch):
+    """Two runs on one host, one told CUDA_VISIBLE_DEVICES=0,1 and one told the first GPU's UUID,
+    must not both claim it."""
+    tool = tmp_path / "bin" / "nvidia-smi"
+    tool.parent.mkdir()
+    tool.write_text(FAKE_NVIDIA_SMI)
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tool.parent}{os.pathsep}{os.environ['PATH']}")
+    locks = tmp_path / "locks"
+
+    with lock_free_gpus(["0", "1"], 1, locks) as by_index:
+        with pytest.raises(RuntimeError, match="no 1 free GPU"), lock_free_gpus(["GPU-aaaa"], 1, locks, timeout_s=0.5):
+            pass
+        with lock_free_gpus(["GPU-bbbb", "MIG-unknown"], 2, locks) as by_uuid:
+            assert by_uuid == ["GPU-bbbb", "MIG-unknown"]  # a device nvidia-smi does not know is locked by its own name
+    assert by_index == ["0"]  # the names the run was given, for its children's CUDA_VISIBLE_DEVICES
+    assert sorted(p.name for p in locks.iterdir()) == ["gpu-GPU-aaaa.lock", "gpu-GPU-bbbb.lock", "gpu-MIG-unknown.lock"]

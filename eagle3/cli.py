@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     set_prefect_defaults()
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # GPU indices as nvidia-smi and the GPU locks number them
     with exit_cleanly_on_sigterm():
         return _command(args)
 

@@ -26,10 +26,11 @@ __all__ = [
     "device_type",
     "free_device_memory",
     "gpu_count",
+    "gpu_lock_names",
     "gpu_memory_bytes",
     "gpu_memory_used_mib",
-    "gpu_uuid",
     "host_gpu_ids",
+    "host_gpu_uuids",
     "in_process_device",
     "inference_mode",
     "lock_free_gpus",
@@ -95,12 +96,14 @@ def free_device_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
-def _nvidia_smi(fields: str, devices: list[str]) -> list[list[str]] | None:
-    """`fields` of each of `devices` as the driver reports them (nvidia-smi), without creating a
-    CUDA context here: one row of stripped values per device; None where nvidia-smi is not available."""
+def _nvidia_smi(fields: str, devices: list[str] | None) -> list[list[str]] | None:
+    """`fields` of each of `devices` (None: of every GPU) as the driver reports them (nvidia-smi),
+    without creating a CUDA context here: one row of stripped values per device; None where
+    nvidia-smi is not available."""
+    chosen = [] if devices is None else ["-i", ",".join(devices)]
     try:
         out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", ",".join(devices)],
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", *chosen],
             capture_output=True,
             text=True,
             timeout=30,
@@ -123,13 +126,25 @@ def gpu_memory_bytes(devices: list[str]) -> list[int] | None:
     return None if rows is None else [int(mib) * 2**20 for (mib,) in rows]
 
 
-def gpu_uuid(device: str) -> str:
-    """`device` (an index or a UUID, as CUDA_VISIBLE_DEVICES names it) by its UUID, the name every run
-    on the host agrees on however it was told the device; `device` itself where nvidia-smi does not
-    know it or is not there. An index is nvidia-smi's (PCI bus order), which is CUDA's on a host of
-    one GPU model (CUDA orders fastest first)."""
-    rows = _nvidia_smi("uuid", [device])
-    return rows[0][0] if rows and rows[0] and rows[0][0] else device
+@functools.cache
+def host_gpu_uuids() -> tuple[str, ...]:
+    """This host's GPUs' UUIDs in PCI bus order, which is CUDA's index order under
+    CUDA_DEVICE_ORDER=PCI_BUS_ID (`eagle3 run` and the deployments set it); () without nvidia-smi.
+    Asked once a process: a hung nvidia-smi costs one timeout, not one per claim."""
+    rows = _nvidia_smi("pci.bus_id,uuid", None) or []
+    return tuple(uuid for _, uuid in sorted(row for row in rows if len(row) == 2))
+
+
+def gpu_lock_names(device: str) -> list[str]:
+    """Every name of `device` (as CUDA_VISIBLE_DEVICES names it) that another run may have been told:
+    an index and its GPU's UUID, a UUID (or a prefix of one, as CUDA takes) and its index. A MIG
+    instance, or a device nvidia-smi does not list, has its own name only."""
+    uuids = host_gpu_uuids()
+    if device.isdigit() and int(device) < len(uuids):
+        return [device, uuids[int(device)]]
+    if device.startswith("GPU-") and len(matches := [i for i, uuid in enumerate(uuids) if uuid.startswith(device)]) == 1:
+        return [str(matches[0]), uuids[matches[0]]]
+    return [device]
 
 
 def host_gpu_ids() -> list[str]:
@@ -147,22 +162,34 @@ def in_process_device(devices: list[str] | None, fallback: str) -> str:
 
 
 @contextmanager
+def _all_free(locks: list[Path]) -> Iterator[bool]:
+    """Hold every one of `locks` or, where another process holds one, none of them."""
+    with ExitStack() as held:
+        if all(held.enter_context(exclusive_if_free(lock, remove=False)) for lock in locks):
+            yield True
+            return
+        held.close()
+        yield False
+
+
+@contextmanager
 def lock_free_gpus(candidates: list[str], count: int, lock_dir: Path | None = None, timeout_s: float | None = 3600) -> Iterator[list[str]]:
-    """Hold `count` of `candidates` that no other process on this host holds, by a lock per device
-    named by its UUID (`gpu_uuid`: a run told "0" and one told "GPU-8f3c..." of the same device meet
-    at one lock; `eagle3.runtime.locks`: dropped at once when a holder dies). Waits while too few are
-    free, for `timeout_s` at most (None: as long as it takes, as a queue for the host's GPUs)."""
+    """Hold `count` of `candidates` that no other process on this host holds, by a lock per name of
+    each device (`gpu_lock_names`: a run told "0" and one told that GPU's UUID meet at a lock, as do
+    runs where nvidia-smi answers and where it does not; `eagle3.runtime.locks`: dropped at once
+    when a holder dies). Waits while too few are free, for `timeout_s` at most (None: as long as it
+    takes, as a queue for the host's GPUs)."""
     if count > len(candidates):
         raise RuntimeError(f"{count} GPU(s) requested but this host has {len(candidates)}: {candidates}")
     lock_dir = lock_dir or GPU_LOCK_DIR
-    locks = {device: lock_dir / f"gpu-{gpu_uuid(device)}.lock" for device in candidates}
+    locks = {device: [lock_dir / f"gpu-{name}.lock" for name in gpu_lock_names(device)] for device in candidates}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     waiting = False
     while True:
         with ExitStack() as held:
             devices: list[str] = []
             for device in candidates:
-                if len(devices) < count and held.enter_context(exclusive_if_free(locks[device], remove=False)):
+                if len(devices) < count and held.enter_context(_all_free(locks[device])):
                     devices.append(device)
             if len(devices) == count:
                 yield devices

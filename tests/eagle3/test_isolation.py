@@ -17,7 +17,8 @@ import torch
 from pydantic import BaseModel
 
 from eagle3.runtime.attempts import ChildProcessFailed, run_attempt
-from eagle3.runtime.devices import GPU_LOCK_DIR, lock_free_gpus
+from eagle3.runtime.devices import GPU_LOCK_DIR, host_gpu_uuids, lock_free_gpus
+from eagle3.runtime.locks import exclusive_if_free
 from eagle3.store.artifacts import ArtifactError
 
 pytestmark = pytest.mark.slow  # child processes that import torch and transformers
@@ -227,30 +228,55 @@ def test_a_gpu_child_does_not_outlive_a_killed_flow_process(kind):
 
 
 FAKE_NVIDIA_SMI = """#!/bin/sh
-# The driver's tool on a host of two GPUs, as much as gpu_uuid asks of it: --query-gpu=uuid -i DEVICE.
-for arg in "$@"; do device="$arg"; done
-case "$device" in
-  0|GPU-aaaa) echo GPU-aaaa ;;
-  1|GPU-bbbb) echo GPU-bbbb ;;
-  *) echo "No devices were found"; exit 6 ;;
-esac
+# The driver's tool on a host of two GPUs, as much as host_gpu_uuids asks of it (listed out of bus order).
+echo "00000000:1B:00.0, GPU-bbbb2222"
+echo "00000000:0A:00.0, GPU-aaaa1111"
 """
 
 
-def test_a_gpu_named_by_index_and_by_uuid_is_one_lock(tmp_path, monkeypatch):
-    """Two runs on one host, one told CUDA_VISIBLE_DEVICES=0,1 and one told the first GPU's UUID,
-    must not both claim it."""
-    tool = tmp_path / "bin" / "nvidia-smi"
-    tool.parent.mkdir()
-    tool.write_text(FAKE_NVIDIA_SMI)
-    tool.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tool.parent}{os.pathsep}{os.environ['PATH']}")
+@pytest.fixture
+def nvidia_smi(tmp_path, monkeypatch):
+    """Point PATH at a stand-in nvidia-smi (CI has no driver), or at none: `use(False)`."""
+    with_tool, without = tmp_path / "with-nvidia-smi", tmp_path / "without-nvidia-smi"
+    with_tool.mkdir()
+    without.mkdir()
+    (with_tool / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (with_tool / "nvidia-smi").chmod(0o755)
+
+    def use(present: bool = True) -> None:
+        monkeypatch.setenv("PATH", str(with_tool if present else without))
+        host_gpu_uuids.cache_clear()
+
+    yield use
+    host_gpu_uuids.cache_clear()
+
+
+def test_runs_naming_a_gpu_by_index_or_by_uuid_with_or_without_nvidia_smi_meet_at_a_lock(nvidia_smi, tmp_path):
     locks = tmp_path / "locks"
+    nvidia_smi()
 
     with lock_free_gpus(["0", "1"], 1, locks) as by_index:
-        with pytest.raises(RuntimeError, match="no 1 free GPU"), lock_free_gpus(["GPU-aaaa"], 1, locks, timeout_s=0.5):
+        assert by_index == ["0"]  # the names the run was given, for its children's CUDA_VISIBLE_DEVICES
+        for told in (["GPU-aaaa1111"], ["GPU-aaaa"]):  # a UUID, or a prefix of one as CUDA takes
+            with pytest.raises(RuntimeError, match="no 1 free GPU"), lock_free_gpus(told, 1, locks, timeout_s=0.3):
+                pass
+        with lock_free_gpus(["GPU-bbbb2222", "0"], 1, locks) as other:
+            assert other == ["GPU-bbbb2222"]  # index 1 in bus order
+        nvidia_smi(present=False)
+        with pytest.raises(RuntimeError, match="no 1 free GPU"), lock_free_gpus(["0"], 1, locks, timeout_s=0.3):
             pass
-        with lock_free_gpus(["GPU-bbbb", "MIG-unknown"], 2, locks) as by_uuid:
-            assert by_uuid == ["GPU-bbbb", "MIG-unknown"]  # a device nvidia-smi does not know is locked by its own name
-    assert by_index == ["0"]  # the names the run was given, for its children's CUDA_VISIBLE_DEVICES
-    assert sorted(p.name for p in locks.iterdir()) == ["gpu-GPU-aaaa.lock", "gpu-GPU-bbbb.lock", "gpu-MIG-unknown.lock"]
+    assert sorted(p.name for p in locks.iterdir()) == ["gpu-0.lock", "gpu-1.lock", "gpu-GPU-aaaa1111.lock", "gpu-GPU-bbbb2222.lock"]
+
+
+def test_mig_instances_of_one_gpu_are_claimed_apart_and_a_held_name_frees_the_devices_other_names(nvidia_smi, tmp_path):
+    locks = tmp_path / "locks"
+    nvidia_smi()
+
+    with lock_free_gpus(["MIG-a1", "MIG-a2"], 2, locks) as slices:
+        assert slices == ["MIG-a1", "MIG-a2"]
+    with exclusive_if_free(locks / "gpu-GPU-aaaa1111.lock", remove=False) as held_elsewhere:  # a run told the UUID, no nvidia-smi
+        assert held_elsewhere
+        with lock_free_gpus(["0", "1"], 1, locks) as free:
+            assert free == ["1"]
+            with exclusive_if_free(locks / "gpu-0.lock", remove=False) as index:
+                assert index  # the claim of "0", refused on its UUID, let its index go at once

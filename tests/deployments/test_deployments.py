@@ -20,7 +20,11 @@ def test_both_deployments_register_on_the_process_pool(deployments):
     assert retrain["dataset"]["path"] == "data/retrain/conversations.jsonl"
     assert retrain["train"]["init_from"] == "previous"
     for deployment in deployments.values():  # library warnings reach each run's log; no verifier code runs
-        assert deployment.job_variables["env"] == {"PREFECT_LOGGING_EXTRA_LOGGERS": "eagle3", "EAGLE3_ALLOW_REMOTE_CODE": "false"}
+        assert deployment.job_variables["env"] == {
+            "PREFECT_LOGGING_EXTRA_LOGGERS": "eagle3",
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "EAGLE3_ALLOW_REMOTE_CODE": "false",
+        }
 
 
 def test_the_form_schema_carries_descriptions_defaults_and_bounds(deployments):

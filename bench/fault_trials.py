@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_run import git_sha, make_inputs, newest_run_record, run_cli, start_cli
 from tiny_runs import alive, descendants, tiny_run_args
 
+from eagle3.evaluation.baseline import SPEED_FIELDS
+
 # phase -> (the log line that opens it, the delay after it to kill at: uniform in [low, high] s)
 PHASES = {
     "baselines": (r"Task run 'resolve-verifier-\w+' - Finished", (0.0, 3.0)),
@@ -82,7 +84,7 @@ def _measured(store: Path, digest: str) -> dict:
     """An evaluation's figures less its timings (speeds differ from run to run)."""
     report = json.loads((store / "artifacts" / digest / "report.json").read_text())
     for row in report["results"]:
-        for timing in ("tokens_per_s", "greedy_tokens_per_s", "speed_up"):
+        for timing in SPEED_FIELDS:
             row.pop(timing, None)
     per_prompt = store / "artifacts" / digest / "per_prompt.json"
     return {"report": report, "per_prompt": per_prompt.read_text() if per_prompt.exists() else None}

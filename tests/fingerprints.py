@@ -21,17 +21,12 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file
 
+from eagle3.evaluation.baseline import SPEED_FIELDS
+
 __all__ = ["assert_matches", "check_pinned", "fingerprint_tree"]
 
 PINS = Path(__file__).parent / "pinned" / "step_outputs.json"
-VOLATILE = {
-    "tokens_per_s",
-    "greedy_tokens_per_s",
-    "speed_up",
-    "seconds",
-    "measured_on",
-    "sha256",
-}  # sha256: of float files, fingerprinted themselves
+VOLATILE = {*SPEED_FIELDS, "seconds", "measured_on", "sha256"}  # sha256: of float files, fingerprinted themselves
 UNREAD = {"manifest.json", "training_curves.png", "train.log"}  # the manifest's numbers are the files'; a picture and a log
 SAMPLES = 16
 LARGE_JSON = 1 << 16  # bytes: a JSON file above this is fingerprinted by its digest

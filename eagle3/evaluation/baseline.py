@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # imported where used: the flow loads this module on every ru
     from transformers import PreTrainedModel
 
 __all__ = [
+    "SPEED_FIELDS",
     "BaselineManifest",
     "DecodingModel",
     "baseline_provenance",
@@ -63,6 +64,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 REFERENCE = "reference.json"
+SPEED_FIELDS = ("tokens_per_s", "greedy_tokens_per_s", "speed_up")  # a decode summary's timings: they vary run to run, outputs alike
 
 
 class BaselineManifest(ArtifactManifest):

@@ -176,11 +176,11 @@ def _running(command: list[str], port: int, log_path: Path, timeout_s: float = 9
             yield base_url
         finally:
             os.killpg(server.pid, signal.SIGTERM)
-            try:
+            with suppress(subprocess.TimeoutExpired):  # seen on a loaded two-core host: vLLM's shutdown is not under test
                 server.wait(timeout=60)
-            finally:
-                with suppress(ProcessLookupError):  # stragglers of the group, if any
-                    os.killpg(server.pid, signal.SIGKILL)
+            with suppress(ProcessLookupError):  # stragglers of the group, if any, or a server slow to stop
+                os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
 
 @contextmanager

@@ -302,7 +302,8 @@ def eval_row(evaluation: dict, baseline: dict | None) -> dict:
 def speeds(evaluation: dict) -> dict:
     """Tokens/s of plain greedy decoding (the evaluation's) and of each method at each k, and each
     method's speed-up over the greedy decodes made beside its own (the draft's in the evaluation, n-gram's
-    in its baselines run): all decoded at batch 1 on the same verifier forward (CUDA graphs on a GPU)."""
+    in its baselines run): all decoded at batch 1 on the same verifier forward (CUDA graphs on a GPU);
+    `_decode_speedup`: the same after each prompt's first token (its prompt's pass left out)."""
     from eagle3.evaluation.evaluate import EvalManifest
 
     manifest = EvalManifest.model_validate(evaluation)
@@ -313,6 +314,7 @@ def speeds(evaluation: dict) -> dict:
         "greedy_tok_s": round(manifest.greedy_tokens_per_s, 1),
         **{f"{r['method']}_k{r['k']}_tok_s": round(r["tokens_per_s"], 1) for r in rows},
         **{f"{r['method']}_k{r['k']}_speedup": round(speed_up, 2) for r in rows if (speed_up := manifest.speed_up(r)) is not None},
+        **{f"{r['method']}_k{r['k']}_decode_speedup": round(r["decode_speed_up"], 2) for r in rows if r.get("decode_speed_up")},
     }
 
 
@@ -423,7 +425,7 @@ def print_categories(title: str, categories: dict[str, dict]) -> None:
 
 PER_K_COLUMNS = ["eagle3_k{k}", "eagle3_k{k}_se", "ngram_k{k}", "ngram_k{k}_se", "eagle3_k{k}_gain", "eagle3_k{k}_gain_se"]
 PER_K_COLUMNS += ["eagle3_k{k}_vs_earlier", "eagle3_k{k}_vs_earlier_se", "eagle3_k{k}_tok_s", "ngram_k{k}_tok_s"]
-PER_K_COLUMNS += ["eagle3_k{k}_speedup", "ngram_k{k}_speedup"]
+PER_K_COLUMNS += ["eagle3_k{k}_speedup", "ngram_k{k}_speedup", "eagle3_k{k}_decode_speedup", "ngram_k{k}_decode_speedup"]
 LAST_COLUMNS = ["greedy_tok_s", "draft_token_accuracy", "draft_vocab_coverage", "prompts", "tokens", "mismatches"]
 LAST_COLUMNS += ["baseline_seconds", "eval_seconds"]
 

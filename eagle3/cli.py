@@ -411,6 +411,8 @@ def _print_evaluation(result, sample_data: bool) -> None:
             line += f", {with_error(gain['gain'], gain['standard_error'], signed=True)} over n-gram"
         if (speed_up := evaluation.speed_up(r)) is not None:
             line += f"; {r['tokens_per_s']:.1f} tok/s, {speed_up:.2f}x plain greedy"
+            if r.get("decode_speed_up"):
+                line += f" ({r['decode_speed_up']:.2f}x after the first token)"
         elif r.get("tokens_per_s"):
             line += f"; {r['tokens_per_s']:.1f} tok/s"
         print(line)

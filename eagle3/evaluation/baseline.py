@@ -64,7 +64,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 REFERENCE = "reference.json"
-SPEED_FIELDS = ("tokens_per_s", "greedy_tokens_per_s", "speed_up")  # a decode summary's timings: they vary run to run, outputs alike
+# a decode summary's timings: they vary run to run, outputs alike
+SPEED_FIELDS = ("tokens_per_s", "greedy_tokens_per_s", "speed_up", "decode_tokens_per_s", "greedy_decode_tokens_per_s", "decode_speed_up")
 
 
 class BaselineManifest(ArtifactManifest):
@@ -187,11 +188,21 @@ def tokens_per_s(runs: list[DecodeStats]) -> float:
     return sum(len(run.tokens) for run in runs) / sum(run.seconds for run in runs)
 
 
+def decode_tokens_per_s(runs: list[DecodeStats]) -> float | None:
+    """The speed of `runs` after each one's first token, the prompt's pass left out: the tokens a
+    draft can speed up, over the time it can (per output token, as serving counts it). None where no
+    run went past its first token."""
+    tokens = sum(max(len(run.tokens) - 1, 0) for run in runs)
+    seconds = sum(run.seconds - run.first_token_seconds for run in runs)
+    return tokens / seconds if tokens and seconds > 0 else None
+
+
 def decode_summary(method: str, k: int, runs: list[DecodeStats], greedy: list[DecodeStats]) -> dict:
     """tau (tokens per verifier pass) and its standard error over prompts, acceptance by draft
     position, speed and counts of `runs` (one per prompt), and the speed-up over `greedy`: the
     plain greedy decodes of the same prompts, each decoded next to its prompt's run, so that both
-    speeds meet the same device, forward and load. Position i's acceptance is over the
+    speeds meet the same device, forward and load; `decode_*` leave out each prompt's pass up to
+    its first token, which both pay alike and a long prompt makes weigh more. Position i's acceptance is over the
     passes that drafted an i-th token (`drafts_by_position`), as vLLM's counters divide by its
     drafts: the last passes before `max_new_tokens` draft fewer than k, and n-gram drafts nothing
     where it finds no match. So tau = 1 + sum(acceptance x drafts) / verifier_passes."""
@@ -199,6 +210,7 @@ def decode_summary(method: str, k: int, runs: list[DecodeStats], greedy: list[De
     tokens, counts = sum(len(run.tokens) for run in runs), per_prompt_counts(runs)
     drafts_by_position = [sum(d >= i for _, d in passes) for i in range(1, k + 1)]
     speed, greedy_speed = tokens_per_s(runs), tokens_per_s(greedy)
+    decode_speed, greedy_decode_speed = decode_tokens_per_s(runs), decode_tokens_per_s(greedy)
     return {
         "method": method,
         "k": k,
@@ -211,6 +223,9 @@ def decode_summary(method: str, k: int, runs: list[DecodeStats], greedy: list[De
         "tokens_per_s": speed,
         "greedy_tokens_per_s": greedy_speed,
         "speed_up": speed / greedy_speed,
+        "decode_tokens_per_s": decode_speed,
+        "greedy_decode_tokens_per_s": greedy_decode_speed,
+        "decode_speed_up": decode_speed / greedy_decode_speed if decode_speed and greedy_decode_speed else None,
         "verifier_passes": len(passes),
         "tokens": tokens,
     }

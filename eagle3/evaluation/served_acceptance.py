@@ -112,7 +112,8 @@ def measure_served_acceptance(cfg: EvalConfig, prompts: list[str], prompts_path:
         One result row shaped as `eagle3.evaluation.evaluate`'s: method, k (the server's), tau,
         tau_standard_error (None: the counters are totals, not per prompt), acceptance_by_position,
         drafts_by_position (every draft drafts k), tokens_per_s (all requests together), greedy_tokens_per_s
-        and speed_up (None: the server decodes no plain greedy beside the draft), verifier_passes, tokens.
+        and speed_up (None: the server decodes no plain greedy beside the draft), their `decode_` forms
+        after the first token (None: the server's requests are timed whole), verifier_passes, tokens.
 
     Raises:
         EndpointError: the server is unreachable, does not serve `endpoint.model`, or has no draft.
@@ -143,6 +144,9 @@ def measure_served_acceptance(cfg: EvalConfig, prompts: list[str], prompts_path:
         "tokens_per_s": tokens / seconds,
         "greedy_tokens_per_s": None,
         "speed_up": None,
+        "decode_tokens_per_s": None,
+        "greedy_decode_tokens_per_s": None,
+        "decode_speed_up": None,
         "verifier_passes": int(counted.drafts),
         "tokens": tokens,
     }

@@ -32,6 +32,8 @@ class DecodeStats:
     # fewer than k where the answer's end was nearer, 0 where n-gram found no match
     drafted_per_pass: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    # until the host read the first token: the prompt's pass, which a draft cannot speed up (prefill)
+    first_token_seconds: float = 0.0
 
 
 class NgramProposer:
@@ -75,7 +77,7 @@ def speculative_decode(forward, proposer, prompt: list[int], max_new_tokens: int
     proposer.observe(aux)
     last = argmax[-1:]  # the last confirmed token, on the device: the next pass's first input
     context = [*prompt, int(last)]
-    stats = DecodeStats(tokens=[context[-1]])
+    stats = DecodeStats(tokens=[context[-1]], first_token_seconds=time.perf_counter() - start)
     while len(stats.tokens) < max_new_tokens and stats.tokens[-1] not in eos_ids:
         proposal = proposer.propose(context, min(k, max_new_tokens - len(stats.tokens)))  # host ids, or unread device ones
         drafts = torch.as_tensor(proposal, dtype=torch.long, device=last.device)
@@ -109,7 +111,9 @@ def greedy_decode(forward, prompt: list[int], max_new_tokens: int, eos_ids: set[
     forward.reset()
     last = forward(prompt)[0][-1:]
     tokens = [int(last)]
+    first_token_seconds = time.perf_counter() - start
     while len(tokens) < max_new_tokens and tokens[-1] not in eos_ids:
         last = forward(last)[0]
         tokens.append(int(last))
-    return DecodeStats(tokens=tokens, verifier_passes=len(tokens), seconds=time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return DecodeStats(tokens=tokens, verifier_passes=len(tokens), seconds=seconds, first_token_seconds=first_token_seconds)

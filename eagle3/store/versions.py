@@ -48,9 +48,9 @@ STEPS: dict[str, StepCode] = {
         1, ("torch", "transformers", "speculators")
     ),  # the verifier's states computed in training: no hidden-state artifact
     "checkpoint": StepCode(1, ("torch", "speculators")),
-    "baseline": StepCode(5, ("torch", "transformers")),  # 5: each row's speed-up over the greedy decodes beside it
-    "evaluation": StepCode(5, ("torch", "transformers", "speculators")),  # 5: as baseline's 5, over greedy decoded in the step
-    "evaluation/vllm": StepCode(2),  # 2: rows shaped as evaluation 5's (no speed-up: no greedy beside)
+    "baseline": StepCode(6, ("torch", "transformers")),  # 6: speeds after each prompt's first token too
+    "evaluation": StepCode(6, ("torch", "transformers", "speculators")),  # 6: as baseline's 6
+    "evaluation/vllm": StepCode(3),  # 3: rows shaped as evaluation 6's (no speed-up: no greedy beside)
 }
 
 

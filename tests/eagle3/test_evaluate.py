@@ -122,6 +122,17 @@ def test_acceptance_is_counted_per_verifier_pass(verifier_model):
     assert nothing.accepted_per_pass == [0] * 24
 
 
+def test_each_decode_times_its_first_token_apart(verifier_model):
+    """The prompt's pass, up to the first token, is timed apart from the whole decode: the part a
+    draft cannot speed up (`decode_tokens_per_s` leaves it out)."""
+    forward = DynamicForward(*verifier_model)
+    greedy = greedy_decode(forward, PROMPT, 25, set())
+    drafted = speculative_decode(forward, OracleProposer(greedy.tokens, len(PROMPT)), PROMPT, 25, 4, set())
+
+    for run in (greedy, drafted):
+        assert 0.0 < run.first_token_seconds < run.seconds
+
+
 def test_acceptance_by_position_is_over_the_passes_that_drafted_there(verifier_model):
     """vLLM divides each position's accepted drafts by its drafts: a pass near the answer's end
     drafts fewer than k, and n-gram drafts nothing without a match; neither counts as a rejection."""
@@ -372,6 +383,11 @@ def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported,
         greedy = baselines.greedy_tokens_per_s if r["method"] == "ngram" else manifest.greedy_tokens_per_s
         assert r["greedy_tokens_per_s"] == greedy and r["speed_up"] == pytest.approx(r["tokens_per_s"] / greedy)
         assert manifest.speed_up(r) == r["speed_up"]
+        # the same after each prompt's first token, over the same greedy decodes
+        assert r["decode_tokens_per_s"] > 0.0 and r["greedy_decode_tokens_per_s"] > 0.0
+        assert r["decode_speed_up"] == pytest.approx(r["decode_tokens_per_s"] / r["greedy_decode_tokens_per_s"])
+    greedy_rows = {r["greedy_decode_tokens_per_s"] for r in manifest.results if r["method"] == "eagle3"}
+    assert len(greedy_rows) == 1  # one set of greedy decodes beside the draft's, whatever k
     for r in manifest.results:
         assert 1.0 <= r["tau"] <= r["k"] + 1
         assert len(r["acceptance_by_position"]) == r["k"]

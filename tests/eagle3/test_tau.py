@@ -7,10 +7,15 @@ from eagle3.evaluation.speculative import DecodeStats
 from eagle3.evaluation.tau import gain_over, per_prompt_counts, tau_from_counts, tau_standard_error
 
 
-def _decoded(*accepted_per_prompt: list[int], k: int = 3) -> list[DecodeStats]:
+def _decoded(*accepted_per_prompt: list[int], k: int = 3, first_token_seconds: float = 0.0) -> list[DecodeStats]:
     return [
         DecodeStats(
-            tokens=[0] * (sum(a) + len(a)), verifier_passes=len(a), accepted_per_pass=list(a), drafted_per_pass=[k] * len(a), seconds=1.0
+            tokens=[0] * (sum(a) + len(a)),
+            verifier_passes=len(a),
+            accepted_per_pass=list(a),
+            drafted_per_pass=[k] * len(a),
+            seconds=1.0,
+            first_token_seconds=first_token_seconds,
         )
         for a in accepted_per_prompt
     ]
@@ -51,6 +56,18 @@ def test_a_decode_summary_takes_tau_and_its_error_from_the_per_prompt_counts():
     assert (summary["tokens_per_s"], summary["greedy_tokens_per_s"], summary["speed_up"]) == (5.0, 4.0, 1.25)  # 10 and 8 tokens in 2 s
     one_token_answers = decode_summary("eagle3", 3, _decoded([], []), _decoded([0], [0]))
     assert (one_token_answers["tau"], one_token_answers["tau_standard_error"]) == (0.0, None)
+    assert (one_token_answers["decode_tokens_per_s"], one_token_answers["decode_speed_up"]) == (None, None)  # nothing after the first
+
+
+def test_the_speed_after_the_first_token_leaves_each_prompts_pass_out():
+    # 10 tokens in 2 s, the first of each prompt's after 0.5 s: 8 tokens in 1 s; greedy 8 in 2 s, 6 in 1 s.
+    summary = decode_summary(
+        "eagle3", 3, _decoded([2, 2], [0, 0, 0, 0], first_token_seconds=0.5), _decoded([0] * 4, [0] * 4, first_token_seconds=0.5)
+    )
+
+    assert (summary["tokens_per_s"], summary["speed_up"]) == (5.0, 1.25)
+    assert (summary["decode_tokens_per_s"], summary["greedy_decode_tokens_per_s"]) == (8.0, 6.0)
+    assert summary["decode_speed_up"] == pytest.approx(8 / 6)  # a prefill both pay alike no longer dilutes the draft's gain
 
 
 def test_the_gain_over_a_baseline_is_paired_over_prompts():

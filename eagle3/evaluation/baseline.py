@@ -11,7 +11,11 @@ verifier's forward (`eagle3.verifier.forward`).
 
 Output `reference.json`: the greedy tokens of each prompt, in order; `per_prompt.json`: each
 prompt's n-gram counts at each k as tau takes them (tokens: accepted draft tokens plus one per
-verifier pass; passes), for the draft's gain measured on the same prompts (`eagle3.evaluation.tau.gain_over`).
+verifier pass; passes), for the draft's gain measured on the same prompts (`eagle3.evaluation.tau.gain_over`);
+`report.json`: the manifest's measurements (the rows with their speeds, greedy's speed, where it was
+measured), in the artifact's files so that its content digest tells two measurements apart: the
+store keeps the first manifest of a digest, and two runs with the same outputs but another device or
+speed would otherwise share one artifact and one of their manifests.
 Each prompt's decodes are appended to `done.jsonl` in the work dir as they finish (`eagle3.store.done_log`),
 so a run killed midway resumes at its first undecoded prompt.
 """
@@ -189,11 +193,14 @@ def tokens_per_s(runs: list[DecodeStats]) -> float:
 
 
 def decode_tokens_per_s(runs: list[DecodeStats]) -> float | None:
-    """The speed of `runs` after each one's first token, the prompt's pass left out: the tokens a
-    draft can speed up, over the time it can (per output token, as serving counts it). None where no
-    run went past its first token."""
+    """The speed of `runs` after each one's first token, the verifier's pass over the prompt left
+    out (a draft's own pass over it stays in, as its first round). None where no run went past its
+    first token, or a run has no first-token time (decoded before decodes recorded it)."""
+    firsts = [first for run in runs if (first := run.first_token_seconds) is not None]
+    if len(firsts) < len(runs):
+        return None
     tokens = sum(max(len(run.tokens) - 1, 0) for run in runs)
-    seconds = sum(run.seconds - run.first_token_seconds for run in runs)
+    seconds = sum(run.seconds for run in runs) - sum(firsts)
     return tokens / seconds if tokens and seconds > 0 else None
 
 
@@ -318,18 +325,21 @@ def measure_baselines(
         out.mkdir(exist_ok=True)
         (out / REFERENCE).write_text(json.dumps([r.tokens for r in references]))
         (out / PER_PROMPT).write_text(json.dumps({"ngram": {k: per_prompt_counts(runs) for k, runs in ngram.items()}}))
-        num_tokens = sum(len(r.tokens) for r in references)
+        measured = {
+            "greedy_tokens_per_s": tokens_per_s(references),
+            "results": [decode_summary("ngram", k, runs, references) for k, runs in ngram.items()],
+            "mismatches": mismatches,
+            "measured_on": entries[0]["measured_on"],
+        }
+        (out / "report.json").write_text(json.dumps(measured, indent=2))
         manifest = store.publish(
             out,
             BaselineManifest(
                 **provenance.model_dump(),
+                **measured,
                 path=out,
                 num_prompts=len(prompts),
-                num_tokens=num_tokens,
-                greedy_tokens_per_s=tokens_per_s(references),
-                results=[decode_summary("ngram", k, runs, references) for k, runs in ngram.items()],
-                mismatches=mismatches,
-                measured_on=entries[0]["measured_on"],
+                num_tokens=sum(len(r.tokens) for r in references),
                 seconds=clock(),
             ),
         )

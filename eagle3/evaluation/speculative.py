@@ -32,8 +32,9 @@ class DecodeStats:
     # fewer than k where the answer's end was nearer, 0 where n-gram found no match
     drafted_per_pass: list[int] = field(default_factory=list)
     seconds: float = 0.0
-    # until the host read the first token: the prompt's pass, which a draft cannot speed up (prefill)
-    first_token_seconds: float = 0.0
+    # until the host read the first token: the prompt's pass (prefill), which a draft cannot shorten. A
+    # draft's own pass over the prompt comes after it, with the first round. None: recorded before it was
+    first_token_seconds: float | None = None
 
 
 class NgramProposer:

@@ -7,7 +7,7 @@ from eagle3.evaluation.speculative import DecodeStats
 from eagle3.evaluation.tau import gain_over, per_prompt_counts, tau_from_counts, tau_standard_error
 
 
-def _decoded(*accepted_per_prompt: list[int], k: int = 3, first_token_seconds: float = 0.0) -> list[DecodeStats]:
+def _decoded(*accepted_per_prompt: list[int], k: int = 3, first_token_seconds: float | None = None) -> list[DecodeStats]:
     return [
         DecodeStats(
             tokens=[0] * (sum(a) + len(a)),
@@ -54,7 +54,7 @@ def test_a_decode_summary_takes_tau_and_its_error_from_the_per_prompt_counts():
     assert summary["tau_standard_error"] == pytest.approx(8 / 9)
     assert summary["acceptance_by_position"] == pytest.approx([2 / 6, 2 / 6, 0.0])
     assert (summary["tokens_per_s"], summary["greedy_tokens_per_s"], summary["speed_up"]) == (5.0, 4.0, 1.25)  # 10 and 8 tokens in 2 s
-    one_token_answers = decode_summary("eagle3", 3, _decoded([], []), _decoded([0], [0]))
+    one_token_answers = decode_summary("eagle3", 3, _decoded([], [], first_token_seconds=0.1), _decoded([0], [0], first_token_seconds=0.1))
     assert (one_token_answers["tau"], one_token_answers["tau_standard_error"]) == (0.0, None)
     assert (one_token_answers["decode_tokens_per_s"], one_token_answers["decode_speed_up"]) == (None, None)  # nothing after the first
 
@@ -68,6 +68,10 @@ def test_the_speed_after_the_first_token_leaves_each_prompts_pass_out():
     assert (summary["tokens_per_s"], summary["speed_up"]) == (5.0, 1.25)
     assert (summary["decode_tokens_per_s"], summary["greedy_decode_tokens_per_s"]) == (8.0, 6.0)
     assert summary["decode_speed_up"] == pytest.approx(8 / 6)  # a prefill both pay alike no longer dilutes the draft's gain
+    # decodes recorded before first tokens were timed: no figure, rather than the whole decode's
+    earlier = decode_summary("eagle3", 3, _decoded([2, 2], [0, 0, 0, 0]), _decoded([0] * 4, [0] * 4))
+    assert (earlier["decode_tokens_per_s"], earlier["greedy_decode_tokens_per_s"], earlier["decode_speed_up"]) == (None, None, None)
+    assert earlier["speed_up"] == 1.25
 
 
 def test_the_gain_over_a_baseline_is_paired_over_prompts():

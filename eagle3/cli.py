@@ -363,7 +363,7 @@ def _run(args) -> int:
 DEMO_DRAFT_NOTE = (
     "a draft trained on the bundled sample for minutes on two cores, as the default run's is, is not expected to beat n-gram lookup: the best "
     "recipe in bench/results/README.md (one H100) measures SmolLM2-135M's draft at tau 2.59 against n-gram's 1.76 "
-    "(MT-bench, 80 first turns, 256 tokens, k=3), decoding at 1.60x plain greedy's tokens/s (1.70x at k=4) with its rounds "
+    "(MT-bench, 80 first turns, 256 tokens, k=3), decoding at 1.66x plain greedy's tokens/s with its rounds "
     "replayed as CUDA graphs; a draft whose tokens are seldom accepted decodes slower than plain greedy: each round pays "
     "for its draft steps"
 )

@@ -27,7 +27,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.config import EvalConfig, VerifierConfig
-from eagle3.evaluation.baseline import DecodingModel, chat_prompts, device_name, read_prompts
+from eagle3.evaluation.baseline import DecodingModel, chat_prompts, device_name, read_prompts, tokens_per_s
 from eagle3.evaluation.evaluate import eval_prompts_source
 from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculative_decode
 from eagle3.store.artifacts import ArtifactStore
@@ -50,8 +50,8 @@ def measure(forward, prompts: list[list[int]], max_new_tokens: int, k: int, eos_
     seconds = sum(run.seconds for run in greedy + ngram)
     return {
         "outputs": [run.tokens for run in greedy + ngram],
-        "greedy_tokens_per_s": sum(len(r.tokens) for r in greedy) / sum(r.seconds for r in greedy),
-        "ngram_tokens_per_s": sum(len(r.tokens) for r in ngram) / sum(r.seconds for r in ngram),
+        "greedy_tokens_per_s": tokens_per_s(greedy),
+        "ngram_tokens_per_s": tokens_per_s(ngram),
         "verifier_passes_per_s": sum(r.verifier_passes for r in greedy + ngram) / seconds,
         "seconds": seconds,
     }

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import tiny_tokenizer
 
 from eagle3.config import EvalConfig, VerifierConfig
-from eagle3.evaluation.baseline import DecodingModel, chat_prompts, device_name, read_prompts
+from eagle3.evaluation.baseline import DecodingModel, chat_prompts, device_name, read_prompts, tokens_per_s
 from eagle3.evaluation.draft_proposer import Eagle3Proposer, StaticEagle3Proposer
 from eagle3.evaluation.evaluate import eval_prompts_source, load_draft
 from eagle3.evaluation.speculative import greedy_decode, speculative_decode
@@ -167,7 +167,7 @@ def decode(forward, proposer, prompts: list[list[int]], max_new_tokens: int, k: 
     tokens = sum(len(r.tokens) for r in runs)
     row = {
         "outputs": [r.tokens for r in runs],
-        "tokens_per_s": tokens / sum(r.seconds for r in runs),  # the prompts' passes included, as evaluation counts
+        "tokens_per_s": tokens_per_s(runs),  # the prompts' passes included, as evaluation counts
         "pass_ms": timed_forward.mean_ms(longest=1 if proposer is None else k + 1),
     }
     if proposer is not None:

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny_models import tiny_tokenizer
 
-from eagle3.config import EvalConfig, VerifierConfig
+from eagle3.config import ConfigError, EvalConfig, VerifierConfig
 from eagle3.evaluation.baseline import DecodingModel, chat_prompts, device_name, read_prompts, tokens_per_s
 from eagle3.evaluation.draft_proposer import Eagle3Proposer, StaticEagle3Proposer
 from eagle3.evaluation.evaluate import eval_prompts_source, load_draft
@@ -219,7 +219,12 @@ def main() -> None:
             args.verifier_layers, args.draft_layers = verifier.num_hidden_layers, draft.config.transformer_layer_config.num_hidden_layers
             args.draft_vocab, args.fc_norm = draft.config.draft_vocab_size, draft.fc_norm is not None
         else:
-            aux = resolve_aux_layer_ids(None, verifier.num_hidden_layers, verifier.path)
+            try:
+                aux = resolve_aux_layer_ids(None, verifier.num_hidden_layers, verifier.path)
+            except ConfigError:
+                parser.error(
+                    f"--verifier-layers {args.verifier_layers}: the aux layers [2, n//2, n-3] repeat one from 4 to 6 layers; use 7 or more"
+                )
             draft = (
                 random_draft(verifier.path, aux, args.draft_layers, args.draft_vocab, args.fc_norm)
                 .to(on.device, getattr(torch, args.dtype))

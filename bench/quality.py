@@ -292,7 +292,7 @@ def eval_row(evaluation: dict, baseline: dict | None) -> dict:
         "eagle3_k3_accepted_by_position": [
             round(a, 3) for r in evaluation["results"] if (r["method"], r["k"]) == ("eagle3", 3) for a in r["acceptance_by_position"]
         ],
-        "tau_sim": round(evaluation["tau_sim"], 3),
+        "tau_sim": round(evaluation["tau_sim"], 3) if evaluation["tau_sim"] is not None else None,  # None: a given draft
         **speeds(evaluation),
         "eval_seconds": round(evaluation.get("seconds") or 0.0, 1),
         "baseline_seconds": round(baseline.get("seconds") or 0.0, 1) if baseline else None,
@@ -388,12 +388,16 @@ def summarize(
     args: argparse.Namespace, cfg: PipelineConfig, mix: dict[str, int], manifests: dict[str, dict], rows: dict[str, dict]
 ) -> dict:
     """The benchmark's record: the configuration that ran, training data and how training went
-    (from the first run's manifests), one row per eval set."""
-    dataset, draft = manifests["dataset"], manifests["draft"]
-    return {
+    (from the first run's manifests; a draft given by `draft_path` trained elsewhere), one row per eval set."""
+    record = {
         "command": " ".join(["python", *sys.argv]),
         "size": args.size,
         "config": cfg.model_dump(mode="json", exclude={"store_dir"}) | {"evaluate": "per eval set: each row's settings"},
+    }
+    if cfg.draft_path is not None:
+        return record | {"eval": rows, "step_seconds": _step_seconds(manifests)}
+    dataset, draft = manifests["dataset"], manifests["draft"]
+    return record | {
         "training_mix": mix,
         "training_samples": dataset["num_records"],
         "training_tokens": dataset["num_tokens"],
@@ -409,8 +413,12 @@ def summarize(
             "time_breakdown_s": draft.get("time_breakdown_s"),
         },
         "eval": rows,
-        "step_seconds": {kind: round(manifests[kind].get("seconds") or 0.0, 1) for kind in STEP_KINDS if kind in manifests},
+        "step_seconds": _step_seconds(manifests),
     }
+
+
+def _step_seconds(manifests: dict[str, dict]) -> dict[str, float]:
+    return {kind: round(manifests[kind].get("seconds") or 0.0, 1) for kind in STEP_KINDS if kind in manifests}
 
 
 def markdown_table(first: str, rows: dict[str, dict], columns: list[str]) -> str:
@@ -438,19 +446,24 @@ def table_columns(rows: dict[str, dict]) -> list[str]:
 
 
 def print_summary(summary: dict) -> None:
-    print(
-        f"\nsize {summary['size']}, mix {summary['training_mix']}: {summary['training_samples']} training samples, {summary['training_tokens']} tokens "
-        f"({summary['supervised_tokens']} supervised), {summary['epochs']} epochs"
-    )
+    trained = "draft" in summary  # else a draft given by draft_path
+    if trained:
+        print(
+            f"\nsize {summary['size']}, mix {summary['training_mix']}: {summary['training_samples']} training samples, "
+            f"{summary['training_tokens']} tokens ({summary['supervised_tokens']} supervised), {summary['epochs']} epochs"
+        )
+    else:
+        print(f"\nthe draft given by draft_path {summary['config']['draft_path']}")
     print(markdown_table("eval set", summary["eval"], table_columns(summary["eval"])))
     for name, row in summary["eval"].items():
         if categories := row.get("by_category"):
             print_categories(name, categories)
     print("\nwall seconds per step (first run): " + ", ".join(f"{k} {v}" for k, v in summary["step_seconds"].items()))
-    print(
-        f"training: {summary['draft']['num_steps']} steps, median {summary['draft']['tokens_per_s']} tok/s, "
-        f"seconds by phase {summary['draft']['time_breakdown_s']}; by epoch {summary['draft']['by_epoch']}"
-    )
+    if trained:
+        print(
+            f"training: {summary['draft']['num_steps']} steps, median {summary['draft']['tokens_per_s']} tok/s, "
+            f"seconds by phase {summary['draft']['time_breakdown_s']}; by epoch {summary['draft']['by_epoch']}"
+        )
 
 
 def main() -> None:

@@ -375,7 +375,8 @@ def _print_result(result, sample_data: bool) -> None:
     if checkpoint is not None:
         print(f"checkpoint: {checkpoint.path}")
         kept = "" if checkpoint.selected_epoch is None else f", epoch {checkpoint.selected_epoch + 1} of {checkpoint.epochs} (the best)"
-        print(f"simulated acceptance length (tau_sim) on the validation split: {checkpoint.tau_sim:.3f}{kept}")
+        if checkpoint.tau_sim is not None:  # None: a draft trained elsewhere (draft_path)
+            print(f"simulated acceptance length (tau_sim) on the validation split: {checkpoint.tau_sim:.3f}{kept}")
     if result.draft is not None:
         print(f"training curves (loss and acceptance by epoch): {Path(result.draft.path) / result.draft.curves}")
     if evaluation is None:

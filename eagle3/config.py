@@ -568,6 +568,21 @@ class PipelineConfig(BaseModel):
         "then stop_after=checkpoint once it is down, then a run to the end with the draft served. None: every step.",
         json_schema_extra=_NO_KEY,
     )
+    draft_path: str | None = Field(
+        None,
+        description="An exported EAGLE-3 draft to evaluate and promote instead of training one: a speculators checkpoint "
+        "directory (config.json and safetensors weights), one this pipeline exported or one published for the verifier. "
+        "Regeneration, dataset, hidden states, vocabulary mapping, training and export are skipped. None: train one.",
+        json_schema_extra=_BY_CONTENT,
+    )
+
+    @model_validator(mode="after")
+    def _a_given_draft_is_not_trained(self) -> PipelineConfig:
+        if self.draft_path is not None and self.stop_after is not None:
+            raise ValueError(
+                f"stop_after={self.stop_after} ends the run before evaluation, and draft_path skips every step before it: set one of them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _online_states_from_the_step(self) -> PipelineConfig:

@@ -531,7 +531,9 @@ def make_plan(config: PipelineConfig, costs: bool = True) -> Plan:
 
 def _running_steps(config: PipelineConfig) -> set[str]:
     """The verifier's steps this run reaches (`stop_after` ends it early: a staged run on a host whose
-    GPUs hold one stage at a time is checked stage by stage)."""
+    GPUs hold one stage at a time is checked stage by stage; a given `draft_path` is only evaluated)."""
+    if config.draft_path is not None:
+        return {"evaluate"}
     online = config.train.hidden_states == "online"
     extracts = config.stop_after != "dataset" and not online
     trains_online = online and config.stop_after in (None, "checkpoint")
@@ -556,7 +558,11 @@ def check_verifier_fits(config: PipelineConfig) -> None:
     running = _running_steps(config)
     in_step = "extract" in running and config.extract.backend in ("transformers", "vllm-engine")  # not on a server
     devices = [config.extract.device] if in_step else []
-    devices += [config.regenerate.device] if config.regenerate.enabled and config.regenerate.backend == "transformers" else []
+    devices += (
+        [config.regenerate.device]
+        if "regenerate" in running and config.regenerate.enabled and config.regenerate.backend == "transformers"
+        else []
+    )
     devices += [config.evaluate.device] if "evaluate" in running and config.evaluate.backend == "transformers" else []
     devices += [config.train.device] if "train" in running else []
     if source.suffix == ".gguf" or not any(_on_gpus(device, config) for device in devices):

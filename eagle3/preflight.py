@@ -1,7 +1,8 @@
 """What can be checked before a run starts, in well under a second: its inputs exist and are what
 their suffix says, the store is a writable directory with room, the verifier's config parses and
-its default aux layers fit it, the dataset splits into training and validation records, and the
-eval prompts file holds `evaluate.num_prompts` prompts.
+its default aux layers fit it, the dataset splits into training and validation records (or a given
+draft's directory holds a config and whole weight files), and the eval prompts file holds
+`evaluate.num_prompts` prompts.
 
 Found inside the flow, each of these cost 20-35 s (a temporary server, the steps before) and
 printed Prefect's tracebacks before the one line that matters. Only headers and counts are read:
@@ -39,7 +40,7 @@ def preflight(config: PipelineConfig) -> list[Problem]:
     start. Creates the store directory (as the run would)."""
     problems = _remote_code(config) + _store(store_path(config.store_dir))
     problems += verifier_problems(config)
-    problems += _dataset(config)
+    problems += _dataset(config) if config.draft_path is None else _given_draft(Path(config.draft_path).expanduser())
     problems += _prompts(config)
     return problems
 
@@ -129,7 +130,7 @@ def verifier_problems(config: PipelineConfig) -> list[Problem]:
         return [*problems, ArtifactError(config_file, f"not a readable JSON file ({exc}): copy the verifier again")]
     if not isinstance(verifier_config, dict):
         return [*problems, ArtifactError(config_file, "expected a JSON object")]
-    return problems + _aux_layers(config, source, verifier_config)
+    return problems + ([] if config.draft_path is not None else _aux_layers(config, source, verifier_config))  # a given draft has its own
 
 
 def _gguf(source: Path) -> list[Problem]:
@@ -226,6 +227,14 @@ def _dataset(config: PipelineConfig) -> list[Problem]:
             ),
         )
     ]
+
+
+def _given_draft(path: Path) -> list[Problem]:
+    if unreadable := _readable(path, "draft_path"):
+        return [unreadable]
+    if not (path / "config.json").is_file():
+        return [ArtifactError(path, "draft_path has no config.json: not an exported speculators checkpoint directory")]
+    return [p for p in (_truncated(f) for f in sorted(path.glob("*.safetensors"))) if p is not None]
 
 
 def _prompts(config: PipelineConfig) -> list[Problem]:

@@ -7,7 +7,6 @@ from prefect.artifacts import create_table_artifact
 from eagle3.config import EvalConfig, VerifierConfig
 from eagle3.evaluation import evaluate as step
 from eagle3.evaluation.baseline import BaselineManifest
-from eagle3.extraction.shards import HiddenStatesManifest
 from eagle3.figures import with_error
 from eagle3.runtime.library_logs import forward_speculators_logs
 from eagle3.training.export import ExportManifest
@@ -23,7 +22,6 @@ def evaluate_task(
     store_dir: str,
     cfg: EvalConfig,
     checkpoint: ExportManifest,
-    hidden_states: HiddenStatesManifest,
     verifier: VerifierManifest,
     prompts: Path,
     baselines: BaselineManifest | None,
@@ -38,7 +36,6 @@ def evaluate_task(
         store,
         cfg=cfg,
         checkpoint=checkpoint,
-        hidden_states=hidden_states,
         verifier=verifier,
         prompts=prompts,
         baselines=baselines,
@@ -46,7 +43,6 @@ def evaluate_task(
     manifest = step.evaluate(
         cfg,
         checkpoint,
-        hidden_states,
         verifier,
         prompts,
         store,
@@ -58,7 +54,9 @@ def evaluate_task(
     create_table_artifact(
         key="acceptance-length",
         table=decode_rows(manifest.results),
-        description=f"measured tau (tau_sim {manifest.tau_sim:.3f}); "
+        description="measured tau"
+        + ("" if manifest.tau_sim is None else f" (tau_sim {manifest.tau_sim:.3f})")
+        + "; "
         + (
             f"plain greedy {manifest.greedy_tokens_per_s:.1f} tok/s, decoded beside the draft on {manifest.measured_on}; "
             f"n-gram's speed-ups are over its baselines' greedy, decoded on {baselines.measured_on}"

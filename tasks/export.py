@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 from eagle3.config import ExportConfig
+from eagle3.evaluation.given_draft import given_draft, given_draft_provenance
 from eagle3.extraction.shards import HiddenStatesManifest
 from eagle3.runtime.library_logs import forward_speculators_logs
 from eagle3.training import export as step
@@ -27,5 +30,16 @@ def export_checkpoint_task(
         export_checkpoint_task, store, cfg=cfg, draft=draft, verifier=verifier, vocab=vocab, hidden_states=hidden_states
     )
     manifest = step.export_checkpoint(cfg, draft, verifier, vocab, hidden_states, store, provenance)
-    publish_step_report(manifest, {"path": str(manifest.path), "tau_sim": round(manifest.tau_sim, 4)})
+    publish_step_report(manifest, {"path": str(manifest.path), "tau_sim": round(draft.tau_sim, 4)})
+    return manifest
+
+
+@step_task("given-draft", given_draft_provenance)
+def given_draft_task(store_dir: str, draft: Path, verifier: VerifierManifest) -> step.ExportManifest:
+    """A draft trained elsewhere (`draft_path`), checked against the verifier and copied into the store."""
+    forward_speculators_logs()
+    store = run_store(store_dir)
+    provenance = task_provenance(given_draft_task, store, draft=draft, verifier=verifier)
+    manifest = given_draft(draft, verifier, store, provenance)
+    publish_step_report(manifest, {"path": str(manifest.path), "given": str(draft)})
     return manifest

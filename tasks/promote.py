@@ -16,7 +16,8 @@ from eagle3.store.artifacts import ArtifactStore
 
 def _markdown(record: step.PromotionRecord) -> str:
     key = record.key
-    rows = [f"| this run | `{record.checkpoint[:16]}` | {record.tau:.3f} | {record.tau_sim:.3f} | `{record.run_id}` |"]
+    tau_sim = "" if record.tau_sim is None else f"{record.tau_sim:.3f}"  # None: a draft trained elsewhere
+    rows = [f"| this run | `{record.checkpoint[:16]}` | {record.tau:.3f} | {tau_sim} | `{record.run_id}` |"]
     if record.best_earlier_checkpoint is not None:
         rows.append(
             f"| best earlier promoted | `{record.best_earlier_checkpoint[:16]}` | {record.best_earlier_tau:.3f} | | "

@@ -56,7 +56,6 @@ from eagle3.evaluation.baseline import (
 from eagle3.evaluation.served_acceptance import measure_served_acceptance
 from eagle3.evaluation.speculative import DecodeStats, greedy_decode, speculative_decode
 from eagle3.evaluation.tau import PER_PROMPT, Counts, gain_over, per_prompt_counts, read_counts
-from eagle3.extraction.shards import HiddenStatesManifest
 from eagle3.runtime.attempts import NO_GPU, GpuClaim
 from eagle3.runtime.stopwatch import Stopwatch
 from eagle3.store.artifacts import ArtifactError, ArtifactStore, step_provenance
@@ -80,7 +79,7 @@ class EvalManifest(ArtifactManifest):
     kind: str = "evaluation"
     num_prompts: int
     num_tokens: int
-    tau_sim: float
+    tau_sim: float | None  # the checkpoint's (None: a draft trained elsewhere)
     results: list[dict]
     greedy_tokens_per_s: float | None  # the draft's rows' plain greedy (None: not measured, backend 'vllm')
     mismatches: int | None
@@ -160,7 +159,6 @@ def _decode_prompts(
     cfg: EvalConfig,
     device: str,
     checkpoint: ExportManifest,
-    hidden_states: HiddenStatesManifest,
     verifier: VerifierManifest,
     prompts: list[list[int]],
     references: list[list[int]],
@@ -178,10 +176,11 @@ def _decode_prompts(
     from eagle3.evaluation.draft_proposer import draft_token_accuracy, proposer_for
 
     on = DecodingModel.load(verifier, prompts, device, cfg.dtype, max_memory)
-    capture = HiddenStateCapture(on.model.get_decoder(), hidden_states.aux_layer_ids)
+    model = load_draft(checkpoint.path, verifier.path, on.device, getattr(torch, cfg.dtype))
+    capture = HiddenStateCapture(on.model.get_decoder(), list(model.config.eagle_aux_hidden_state_layer_ids))  # checked by export
     forward = on.forward(capture, cfg.max_new_tokens)
     longest = max(map(len, on.prompts)) + cfg.max_new_tokens + max(cfg.ks)  # with a round's chained steps
-    draft = proposer_for(load_draft(checkpoint.path, verifier.path, on.device, getattr(torch, cfg.dtype)), forward, longest)
+    draft = proposer_for(model, forward, longest)
 
     def decode(i: int) -> dict:
         prompt, reference = on.prompts[i], references[i]
@@ -271,22 +270,18 @@ def evaluation_provenance(
     store: ArtifactStore,
     cfg: EvalConfig,
     checkpoint: ExportManifest,
-    hidden_states: HiddenStatesManifest,
     verifier: VerifierManifest,
     prompts: Path,
     baselines: BaselineManifest | None,
 ) -> Provenance:
     """The step's provenance: a server's counters are keyed by its served model name, not by local code."""
     step = route("evaluation", cfg.backend, local="transformers")
-    return step_provenance(
-        step, store, cfg=cfg, checkpoint=checkpoint, hidden_states=hidden_states, verifier=verifier, prompts=prompts, baselines=baselines
-    )
+    return step_provenance(step, store, cfg=cfg, checkpoint=checkpoint, verifier=verifier, prompts=prompts, baselines=baselines)
 
 
 def evaluate(
     cfg: EvalConfig,
     checkpoint: ExportManifest,
-    hidden_states: HiddenStatesManifest,
     verifier: VerifierManifest,
     prompts_path: Path,
     store: ArtifactStore,
@@ -341,9 +336,7 @@ def evaluate(
             if len(done) < len(texts):
                 with clock.excluding_wait(claim()) as gpus:
                     device, max_memory = decoding_placement(verifier.path, gpus, placement, getattr(torch, cfg.dtype), cfg.device)
-                    done = _decode_prompts(
-                        cfg, device, checkpoint, hidden_states, verifier, prompts, references, done, done_log, max_memory
-                    )
+                    done = _decode_prompts(cfg, device, checkpoint, verifier, prompts, references, done, done_log, max_memory)
             measured = _summarize(cfg, [done[i] for i in range(len(texts))], references, baselines)
         report = {
             "results": measured.results,

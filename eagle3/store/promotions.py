@@ -64,7 +64,7 @@ class PromotionRecord(BaseModel):
     checkpoint_path: Path
     evaluation: str = Field(description="evaluation artifact digest")
     tau: float = Field(description="measured EAGLE-3 tau at key.k")
-    tau_sim: float = Field(description="tau simulated from training metrics, for comparison")
+    tau_sim: float | None = Field(description="tau simulated from training metrics, for comparison (None: a draft trained elsewhere)")
     min_improvement: float
     promoted: bool
     best_earlier_run_id: str | None = None

@@ -48,6 +48,7 @@ STEPS: dict[str, StepCode] = {
         1, ("torch", "transformers", "speculators")
     ),  # the verifier's states computed in training: no hidden-state artifact
     "checkpoint": StepCode(1, ("torch", "speculators")),
+    "checkpoint/given": StepCode(1),  # a draft trained elsewhere (draft_path), its files as they are
     "baseline": StepCode(6, ("torch", "transformers")),  # 6: speeds after each prompt's first token too
     "evaluation": StepCode(6, ("torch", "transformers", "speculators")),  # 6: as baseline's 6
     "evaluation/vllm": StepCode(3),  # 3: rows shaped as evaluation 6's (no speed-up: no greedy beside)

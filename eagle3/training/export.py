@@ -37,7 +37,7 @@ __all__ = ["ExportManifest", "export_checkpoint", "validate_checkpoint"]
 class ExportManifest(ArtifactManifest):
     kind: str = "checkpoint"
     verifier_name_or_path: str
-    tau_sim: float
+    tau_sim: float | None = Field(description="simulated from validation; None for a draft trained elsewhere (draft_path)")
     selected_epoch: int | None = Field(None, description="the draft's epoch (from 0) whose weights it holds: the best tau_sim")
     epochs: int | None = Field(None, description="epochs the draft trained")
 

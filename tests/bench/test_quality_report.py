@@ -91,3 +91,26 @@ def test_the_fc_norm_runs_recorded_gain_over_the_draft_without_it_comes_from_bot
 
     assert row == {key: recorded[key] for key in ("eagle3_k3_vs_earlier", "eagle3_k3_vs_earlier_se")}  # k = 4: fc_norm's run alone
     assert (row["eagle3_k3_vs_earlier"], row["eagle3_k3_vs_earlier_se"]) == (0.003, 0.015)  # the figures the docs quote
+
+
+def test_a_given_drafts_record_has_its_evaluation_and_no_training_figures(quality, evaluation, tmp_path, capsys):
+    given = evaluation | {"tau_sim": None}  # a draft trained elsewhere (draft_path) has no validation estimate
+    cfg = quality.config("full", tmp_path, tmp_path / "store", [f"draft_path={tmp_path / 'exported-elsewhere'}"])
+    args = argparse.Namespace(size="full")
+
+    summary = quality.summarize(
+        args, cfg, {}, {"verifier": {"seconds": 28.6}, "evaluation": given}, {"mt_bench": quality.eval_row(given, None)}
+    )
+    quality.print_summary(summary)
+
+    assert summary["config"]["draft_path"] == str(tmp_path / "exported-elsewhere")
+    assert not {"training_mix", "training_samples", "draft", "epochs"} & set(summary)
+    assert (
+        summary["eval"]["mt_bench"]["tau_sim"] is None
+        and summary["eval"]["mt_bench"]["eagle3_k3"] == quality.eval_row(evaluation, None)["eagle3_k3"]
+    )
+    assert summary["step_seconds"] == {"verifier": 28.6, "evaluation": round(evaluation["seconds"], 1)}
+    printed = capsys.readouterr().out
+    assert f"the draft given by draft_path {tmp_path / 'exported-elsewhere'}" in printed and "training:" not in printed
+    header = next(line for line in printed.splitlines() if line.startswith("| eval set"))
+    assert "eagle3_k3" in header and "tau_sim" not in header  # no empty column

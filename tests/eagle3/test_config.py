@@ -85,6 +85,13 @@ def test_promotion_k_must_be_an_evaluated_k():
         load_config(None, ["promotion.k=7"])
 
 
+def test_a_given_draft_and_a_stop_before_evaluation_contradict_each_other():
+    with pytest.raises(
+        ConfigError, match=r"stop_after=checkpoint ends the run before evaluation, and draft_path skips every step before it"
+    ):
+        load_config(None, ["draft_path=./exported-elsewhere", "stop_after=checkpoint"])
+
+
 def test_promotion_k_of_a_vllm_evaluation_is_the_servers_not_one_of_evaluate_ks():
     config = load_config(None, ["evaluate.backend=vllm", "evaluate.endpoint.model=verifier", "promotion.k=4"])
 

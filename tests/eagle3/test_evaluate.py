@@ -27,6 +27,7 @@ from eagle3.evaluation.baseline import (
 )
 from eagle3.evaluation.draft_proposer import Eagle3Proposer, StaticEagle3Proposer, draft_token_accuracy
 from eagle3.evaluation.evaluate import EvalManifest, eval_prompts_source, evaluate, evaluation_provenance, load_draft
+from eagle3.evaluation.given_draft import given_draft, given_draft_provenance
 from eagle3.evaluation.served_acceptance import read_spec_decode_counters
 from eagle3.evaluation.speculative import NgramProposer, greedy_decode, speculative_decode
 from eagle3.evaluation.tau import tau_from_counts
@@ -34,7 +35,7 @@ from eagle3.extraction.extract_hidden_states import extract_hidden_states
 from eagle3.serving.endpoint import EndpointError
 from eagle3.store.artifacts import ArtifactError, ArtifactStore
 from eagle3.store.done_log import DONE_LOG
-from eagle3.store.manifests import Provenance
+from eagle3.store.manifests import MANIFEST, Provenance
 from eagle3.training.export import export_checkpoint
 from eagle3.training.train import train_draft
 from eagle3.training.vocab_mapping import build_vocab_mapping
@@ -406,10 +407,10 @@ def test_baselines_hold_the_verifiers_plain_greedy_output_of_each_chat_templated
 
 
 def test_evaluate_reports_tau_per_method_and_k_with_the_baselines_rows(exported, two_prompts):
-    store, verifier, hidden, checkpoint = exported
+    store, verifier, _hidden, checkpoint = exported
     cfg, prompts, baselines = two_prompts
 
-    manifest = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(), baselines)
+    manifest = evaluate(cfg, checkpoint, verifier, prompts, store, Provenance(), baselines)
 
     assert manifest.mismatches == 0 and manifest.num_prompts == 2
     assert [(r["method"], r["k"]) for r in manifest.results] == [("eagle3", 2), ("eagle3", 4), ("ngram", 2), ("ngram", 4)]
@@ -449,23 +450,23 @@ def test_bumping_the_evaluation_version_reevaluates_drafts_and_keeps_the_baselin
     and n-gram decoding) have a version of their own, so they stay cached."""
     from eagle3.store import versions
 
-    store, verifier, hidden, checkpoint = exported
+    store, verifier, _hidden, checkpoint = exported
     cfg, prompts, baselines = two_prompts
     before = (
         baseline.baseline_provenance(store, cfg, verifier, prompts).key,
-        evaluation_provenance(store, cfg, checkpoint, hidden, verifier, prompts, baselines).key,
+        evaluation_provenance(store, cfg, checkpoint, verifier, prompts, baselines).key,
     )
     bumped = versions.StepCode(versions.STEPS["evaluation"].version + 1, versions.STEPS["evaluation"].libraries)
     monkeypatch.setitem(versions.STEPS, "evaluation", bumped)
 
     assert baseline.baseline_provenance(store, cfg, verifier, prompts).key == before[0]
-    assert evaluation_provenance(store, cfg, checkpoint, hidden, verifier, prompts, baselines).key != before[1]
+    assert evaluation_provenance(store, cfg, checkpoint, verifier, prompts, baselines).key != before[1]
 
 
 def test_a_draft_output_that_differs_from_the_baselines_greedy_output_is_a_mismatch(exported, two_prompts, tmp_path):
     import shutil
 
-    store, verifier, hidden, checkpoint = exported
+    store, verifier, _hidden, checkpoint = exported
     cfg, prompts, baselines = two_prompts
     altered = shutil.copytree(baselines.path, tmp_path / "altered")
     references = baselines.reference()
@@ -475,7 +476,6 @@ def test_a_draft_output_that_differs_from_the_baselines_greedy_output_is_a_misma
     manifest = evaluate(
         cfg,
         checkpoint,
-        hidden,
         verifier,
         prompts,
         store,
@@ -486,18 +486,87 @@ def test_a_draft_output_that_differs_from_the_baselines_greedy_output_is_a_misma
     assert manifest.mismatches == len(cfg.ks) + 1  # that prompt's decode at each k, and its plain greedy one
 
 
+def _given(checkpoint, tmp_path: Path, edit=None) -> Path:
+    """A copy of `checkpoint`'s files, as a draft exported on another host arrives; `edit` changes its config."""
+    import shutil
+
+    path = shutil.copytree(checkpoint.path, tmp_path / "exported-elsewhere", ignore=shutil.ignore_patterns(MANIFEST))
+    if edit is not None:
+        config = json.loads((path / "config.json").read_text())
+        edit(config)
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _refused_unpublished(path: Path, verifier, tmp_path: Path, message: str) -> None:
+    """Importing the draft at `path` into a fresh store fails with `message` and publishes nothing."""
+    store = ArtifactStore(tmp_path / "other-store")
+    with pytest.raises(ArtifactError, match=message):
+        given_draft(path, verifier, store, given_draft_provenance(store, path, verifier))
+    assert not (store.root / "artifacts").exists() or not any((store.root / "artifacts").iterdir())
+
+
+def test_a_draft_trained_elsewhere_measures_what_the_same_draft_trained_here_does(exported, two_prompts, tmp_path):
+    store, verifier, _hidden, checkpoint = exported
+    cfg, prompts, baselines = two_prompts
+    other_store = ArtifactStore(tmp_path / "other-store")
+    path = _given(checkpoint, tmp_path)
+
+    given = given_draft(path, verifier, other_store, given_draft_provenance(other_store, path, verifier))
+    (path / "config.json").write_text("{}")  # the source may change or go: the store holds its own copy
+
+    assert given.digest == checkpoint.digest and given.path.parent == other_store.root / "artifacts"
+    assert given.tau_sim is None and given.selected_epoch is None  # nothing about its training is known here
+    here = evaluate(cfg, checkpoint, verifier, prompts, store, Provenance(config={"draft": "trained here"}), baselines)
+    elsewhere = evaluate(cfg, given, verifier, prompts, other_store, Provenance(config={"draft": "given"}), baselines)
+    taus = [[(r["method"], r["k"], r["tau"]) for r in e.results] for e in (here, elsewhere)]
+    assert taus[0] == taus[1] and elsewhere.mismatches == 0 and elsewhere.tau_sim is None
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c.update(speculators_model_type="mlp"), r"field 'speculators_model_type' is 'mlp': only EAGLE-3 drafts"),
+        (
+            lambda c: c["transformer_layer_config"].update(hidden_size=32),
+            r"field 'transformer_layer_config.hidden_size' is 32, but the verifier .* has 64: a draft for another verifier",
+        ),
+        (lambda c: c["transformer_layer_config"].update(vocab_size=7), r"field 'transformer_layer_config.vocab_size' is 7, but"),
+        (
+            lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 9]),
+            r"field 'eagle_aux_hidden_state_layer_ids' is \[1, 2, 9\]: expected the verifier layers the draft reads, each in 0..3",
+        ),
+    ],
+)
+def test_a_given_draft_that_does_not_fit_the_verifier_is_refused_naming_its_config_field(exported, tmp_path, edit, message):
+    _store, verifier, _hidden, checkpoint = exported
+    path = _given(checkpoint, tmp_path, edit)
+
+    _refused_unpublished(path, verifier, tmp_path, rf"{path / 'config.json'}: {message}")
+
+
+def test_given_weights_speculators_cannot_load_are_refused_and_nothing_is_published(exported, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _store, verifier, _hidden, checkpoint = exported
+    path = _given(checkpoint, tmp_path)
+    weights = load_file(path / "model.safetensors")
+    weights["fc.weight"] = weights["fc.weight"][:, :-1].contiguous()  # an fc layer for other aux states
+    save_file(weights, path / "model.safetensors")
+
+    _refused_unpublished(path, verifier, tmp_path, rf"{path}: speculators cannot load it as an EAGLE-3 draft of this verifier")
+
+
 def test_baselines_of_other_prompts_are_refused_by_name(exported, two_prompts):
-    store, verifier, hidden, checkpoint = exported
+    store, verifier, _hidden, checkpoint = exported
     cfg, prompts, baselines = two_prompts
 
     with pytest.raises(ArtifactError, match=rf"{baselines.path}: baselines of 2 prompts for an evaluation of 1"):
-        evaluate(
-            cfg.model_copy(update={"num_prompts": 1}), checkpoint, hidden, verifier, prompts, store, Provenance(config={"n": 1}), baselines
-        )
+        evaluate(cfg.model_copy(update={"num_prompts": 1}), checkpoint, verifier, prompts, store, Provenance(config={"n": 1}), baselines)
 
 
 def test_baselines_measured_with_other_settings_are_refused_by_field(exported, two_prompts):
-    store, verifier, hidden, checkpoint = exported
+    store, verifier, _hidden, checkpoint = exported
     cfg, prompts, _ = two_prompts
     short = cfg.model_copy(update={"max_new_tokens": 8})
     baselines = measure_baselines(short, verifier, prompts, store, baseline_provenance(store, short, verifier, prompts))
@@ -505,7 +574,7 @@ def test_baselines_measured_with_other_settings_are_refused_by_field(exported, t
     with pytest.raises(
         ArtifactError, match=rf"{baselines.path}: baselines measured otherwise than this evaluation decodes \(config.max_new_tokens\)"
     ):
-        evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"settings": "other"}), baselines)
+        evaluate(cfg, checkpoint, verifier, prompts, store, Provenance(config={"settings": "other"}), baselines)
 
 
 def test_baselines_are_keyed_by_device_type_and_decoding_not_by_the_eval_backend_or_a_files_location(exported, two_prompts):
@@ -646,17 +715,17 @@ def test_a_run_resumed_on_another_device_decodes_the_logged_prompts_again(export
 
 
 def test_a_killed_evaluation_resumes_at_its_first_undecoded_prompt(exported, two_prompts, tmp_path):
-    store, verifier, hidden, checkpoint = exported
+    store, verifier, _hidden, checkpoint = exported
     cfg, prompts, baselines = two_prompts
     ids, references = chat_prompts(verifier, read_prompts(prompts, cfg.num_prompts), prompts), baselines.reference()
-    first = evaluate_module._decode_prompts(cfg, "cpu", checkpoint, hidden, verifier, ids[:1], references[:1], {}, tmp_path / DONE_LOG)[0]
+    first = evaluate_module._decode_prompts(cfg, "cpu", checkpoint, verifier, ids[:1], references[:1], {}, tmp_path / DONE_LOG)[0]
     provenance, claims = Provenance(config={"run": "evaluation killed after one prompt"}), []
     plant_done_log(
         store, "evaluation", provenance, [tagged(tagged(first, "2", 1000.0), "greedy", 500.0)], torn='{"id": 1, "measured_on": "cp'
     )
-    full = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "uninterrupted"}), baselines)
+    full = evaluate(cfg, checkpoint, verifier, prompts, store, Provenance(config={"run": "uninterrupted"}), baselines)
 
-    resumed = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, baselines, claim=lambda: counted_claim(claims))
+    resumed = evaluate(cfg, checkpoint, verifier, prompts, store, provenance, baselines, claim=lambda: counted_claim(claims))
 
     assert len(claims) == 1 and resumed.mismatches == 0
     figures = ("method", "k", "tau", "acceptance_by_position", "tokens")
@@ -676,15 +745,11 @@ def test_a_killed_evaluation_resumes_at_its_first_undecoded_prompt(exported, two
         provenance,
         [
             first,
-            evaluate_module._decode_prompts(cfg, "cpu", checkpoint, hidden, verifier, ids, references, {0: first}, tmp_path / "both.jsonl")[
-                1
-            ],
+            evaluate_module._decode_prompts(cfg, "cpu", checkpoint, verifier, ids, references, {0: first}, tmp_path / "both.jsonl")[1],
         ],
     )
     assert (
-        evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, baselines, claim=lambda: counted_claim(claims)).results[0][
-            "tau"
-        ]
+        evaluate(cfg, checkpoint, verifier, prompts, store, provenance, baselines, claim=lambda: counted_claim(claims)).results[0]["tau"]
         == full.results[0]["tau"]
     )
     assert claims == []
@@ -698,12 +763,12 @@ def test_an_unfinished_evaluation_reports_the_evaluations_own_figures_over_the_p
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     import unfinished_evaluation
 
-    store, verifier, hidden, checkpoint = exported
+    store, verifier, _hidden, checkpoint = exported
     cfg, prompts, baselines = two_prompts
     ids, references = chat_prompts(verifier, read_prompts(prompts, cfg.num_prompts), prompts), baselines.reference()
     log = tmp_path / DONE_LOG
-    evaluate_module._decode_prompts(cfg, "cpu", checkpoint, hidden, verifier, ids, references, {}, log)
-    full = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "uninterrupted"}), baselines)
+    evaluate_module._decode_prompts(cfg, "cpu", checkpoint, verifier, ids, references, {}, log)
+    full = evaluate(cfg, checkpoint, verifier, prompts, store, Provenance(config={"run": "uninterrupted"}), baselines)
     categories = write_jsonl(tmp_path / "categories.jsonl", [{"category": "math"}, {"category": "writing"}])
 
     both = unfinished_evaluation.summarize(unfinished_evaluation.read_done(log), baselines.path, categories)
@@ -736,7 +801,7 @@ def test_an_unfinished_evaluation_reports_the_evaluations_own_figures_over_the_p
 
 
 def test_a_run_waiting_for_another_run_of_the_step_claims_its_gpu_only_once_it_holds_the_step(exported):
-    store, verifier, hidden, checkpoint = exported
+    store, verifier, _hidden, checkpoint = exported
     cfg = EvalConfig(num_prompts=1, max_new_tokens=8, ks=[2])
     prompts = write_jsonl(store.root / "one_prompt.jsonl", [{"prompt": "Count to five."}])
     provenance = Provenance(config={"run": "claimed"})
@@ -746,7 +811,7 @@ def test_a_run_waiting_for_another_run_of_the_step_claims_its_gpu_only_once_it_h
         store,
         EvalManifest,
         provenance,
-        lambda claim: evaluate(cfg, checkpoint, hidden, verifier, prompts, store, provenance, baselines, claim=claim),
+        lambda claim: evaluate(cfg, checkpoint, verifier, prompts, store, provenance, baselines, claim=claim),
     )
 
     [claimed] = run.claimed_at
@@ -779,7 +844,7 @@ def test_prompts_are_read_as_regeneration_reads_them(tmp_path):
 @pytest.mark.parametrize("served", ["served_draft", "served_two_layer_draft", "served_moe_draft"])
 def test_served_counters_give_the_acceptance_our_own_decoding_measures(served, request):
     served_draft = request.getfixturevalue(served)
-    store, verifier, hidden, checkpoint = served_draft.store, served_draft.verifier, served_draft.hidden_states, served_draft.checkpoint
+    store, verifier, checkpoint = served_draft.store, served_draft.verifier, served_draft.checkpoint
     # Prompts the draft was trained on (with the verifier's answers to them): it accepts some tokens.
     prompts = write_jsonl(store.root / "served-prompts.jsonl", [json.loads(line) for line in SAMPLE.read_text().splitlines()[:4]])
     own_cfg = EvalConfig(num_prompts=4, max_new_tokens=48, ks=[3], device="cpu")
@@ -787,9 +852,9 @@ def test_served_counters_give_the_acceptance_our_own_decoding_measures(served, r
         update={"backend": "vllm", "endpoint": EndpointConfig(base_url=served_draft.base_url, model=served_draft.model)}
     )
 
-    served = evaluate(served_cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "served"}))
+    served = evaluate(served_cfg, checkpoint, verifier, prompts, store, Provenance(config={"run": "served"}))
     baselines = measure_baselines(own_cfg, verifier, prompts, store, Provenance(config={"run": "own"}))
-    own = evaluate(own_cfg, checkpoint, hidden, verifier, prompts, store, Provenance(config={"run": "own"}), baselines)
+    own = evaluate(own_cfg, checkpoint, verifier, prompts, store, Provenance(config={"run": "own"}), baselines)
 
     [row] = served.results
     [reference] = [r for r in own.results if r["method"] == "eagle3"]

@@ -244,6 +244,7 @@ def test_no_step_of_the_flow_pickles_its_result_even_where_prefect_persists_by_d
         "evaluate_task",
         "export_checkpoint_task",
         "extract_hidden_states_task",
+        "given_draft_task",
         "measure_baselines_task",
         "online_states_task",
         "prepare_dataset_task",

@@ -53,7 +53,7 @@ def outputs(tiny_verifier, tmp_path_factory) -> tuple[Path, dict]:
     cfg = EvalConfig(num_prompts=2, max_new_tokens=8, ks=[2], device="cpu")
     prompts = write_jsonl(root / "prompts.jsonl", [{"prompt": "What is 2 + 3?"}, {"prompt": "Count to five."}])
     baselines = measure_baselines(cfg, verifier, prompts, store, Provenance())
-    evaluation = evaluate(cfg, checkpoint, hidden, verifier, prompts, store, Provenance(), baselines)
+    evaluation = evaluate(cfg, checkpoint, verifier, prompts, store, Provenance(), baselines)
     manifests = {m.kind: m for m in (regenerated, dataset, hidden, vocab, draft, checkpoint, baselines, evaluation)}
     return tmp_path_factory.getbasetemp(), manifests
 

@@ -500,7 +500,7 @@ def test_nested_verifier_regenerates_trains_exports_and_decodes_with_its_text_vo
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "What is 2 + 3?"}, {"prompt": "Count to five."}])
     baselines = measure_baselines(cfg, verifier, prompts, store, Provenance())
 
-    evaluation = evaluate(cfg, manifest, hidden, verifier, prompts, store, Provenance(), baselines)
+    evaluation = evaluate(cfg, manifest, verifier, prompts, store, Provenance(), baselines)
 
     config = json.loads((manifest.path / "config.json").read_text())
     assert verifier.nested and answers.num_records == 16 and not answers.failed and answers.num_generated_tokens > 16

@@ -157,6 +157,40 @@ def test_a_run_stopped_after_a_step_publishes_up_to_it_and_the_next_goes_on_from
     assert finished.promotion is not None
 
 
+def test_a_draft_trained_elsewhere_is_evaluated_and_promoted_without_any_training_step(shared_first_run, tmp_path):
+    """draft_path: a draft exported on another host (here the first run's, copied out of its store) is
+    checked against the verifier, copied into this store and measured as the run that trained it measured it."""
+    config, first = shared_first_run
+    elsewhere = shutil.copytree(first.checkpoint.path, tmp_path / "exported-elsewhere")
+    given = config.model_copy(update={"store_dir": str(tmp_path / "store"), "draft_path": str(elsewhere)})
+
+    result, states = _run(given)
+
+    assert states == {
+        "resolve-verifier": "Completed",
+        "measure-baselines": "Completed",
+        "given-draft": "Completed",
+        "evaluate": "Completed",
+    }
+    assert result.draft is None and result.checkpoint.digest == first.checkpoint.digest and result.checkpoint.tau_sim is None
+    assert [(r["method"], r["k"], r["tau"]) for r in result.evaluation.results] == [
+        (r["method"], r["k"], r["tau"]) for r in first.evaluation.results
+    ]
+    assert result.promotion is not None and result.promotion.tau_sim is None
+    from eagle3.store.artifacts import ArtifactStore
+    from eagle3.store.lineage import lineage
+
+    nodes = lineage(ArtifactStore(given.store_dir), [result.evaluation.digest])
+    assert {node["kind"] for node in nodes.values()} == {"evaluation", "baseline", "checkpoint", "input"}  # nothing trained here
+    checkpoint = nodes[result.checkpoint.digest]
+    assert set(checkpoint["parents"]) == {"verifier"} and checkpoint["config"]["draft"] == first.checkpoint.digest  # its files, by content
+
+    again, states = _run(given)
+
+    assert states == {"resolve-verifier": "Cached", "measure-baselines": "Cached", "given-draft": "Cached", "evaluate": "Cached"}
+    assert again.evaluation.digest == result.evaluation.digest
+
+
 def _published(key: str, run_id: str):
     """The artifact with `key` that flow run `run_id` published, read back from the server."""
     from prefect.client.orchestration import get_client

@@ -52,6 +52,8 @@ def _broken_copy(verifier: Path, out: Path) -> Path:
         "store_dir naming a file",
         "more eval prompts than the file holds",
         "default aux layers colliding on a 4-layer verifier",
+        "a draft_path that does not exist",
+        "a draft_path that is no checkpoint",
     ],
 )
 def test_bad_input_is_named_in_one_line_before_prefect_starts(what, run_args, tiny_verifier, tmp_path, capsys):
@@ -94,6 +96,11 @@ def test_bad_input_is_named_in_one_line_before_prefect_starts(what, run_args, ti
             "extract.aux_layer_ids=null",
             r"has 4 layers: the default extract\.aux_layer_ids \[2, n//2, n-3\] = \[2, 2, 1\] repeat a "
             r"layer\. Set extract\.aux_layer_ids to 3 distinct ascending ids in 0\.\.3, e\.g\. \[1, 2, 3\]",
+        ),
+        "a draft_path that does not exist": (f"draft_path={bad / 'no-draft'}", r"bad/no-draft: draft_path does not exist"),
+        "a draft_path that is no checkpoint": (
+            f"draft_path={bad}",
+            r"bad: draft_path has no config\.json: not an exported speculators checkpoint directory",
         ),
     }[what]
     (bad / "chats.parquet").write_text('{"messages": []}\n')

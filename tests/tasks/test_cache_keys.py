@@ -54,7 +54,7 @@ def current_keys(root: Path) -> dict[str, str]:
     """The key each task's cache policy computes, and two shard keys, for fixed inputs under `root`."""
     from tasks.baseline import measure_baselines_task
     from tasks.evaluate import evaluate_task
-    from tasks.export import export_checkpoint_task
+    from tasks.export import export_checkpoint_task, given_draft_task
     from tasks.extract import extract_hidden_states_task
     from tasks.prepare import prepare_dataset_task
     from tasks.regenerate import regenerate_task
@@ -66,6 +66,9 @@ def current_keys(root: Path) -> dict[str, str]:
     source = root / "input.jsonl"
     source.write_text('{"prompt": "a fixed input"}\n')
     served = EndpointConfig(model="served-verifier")
+    given = root / "given-draft"  # a draft exported elsewhere: a directory keyed by what it holds
+    given.mkdir()
+    (given / "config.json").write_text('{"speculators_model_type": "eagle3"}\n')
 
     def artifact(kind: str, n: int) -> ArtifactManifest:
         return ArtifactManifest(kind=kind, digest=f"{n:064x}", path=root)
@@ -119,13 +122,13 @@ def current_keys(root: Path) -> dict[str, str]:
             export_checkpoint_task,
             {"cfg": ExportConfig(), "draft": draft, "verifier": verifier, "vocab": vocab, "hidden_states": hidden},
         ),
+        "checkpoint/given": (given_draft_task, {"draft": given, "verifier": verifier}),
         "baseline": (measure_baselines_task, {"cfg": cpu_eval, "verifier": verifier, "prompts": source}),
         "evaluation": (
             evaluate_task,
             {
                 "cfg": cpu_eval,
                 "checkpoint": checkpoint,
-                "hidden_states": hidden,
                 "verifier": verifier,
                 "prompts": source,
                 "baselines": baselines,
@@ -136,7 +139,6 @@ def current_keys(root: Path) -> dict[str, str]:
             {
                 "cfg": EvalConfig(backend="vllm", endpoint=served),
                 "checkpoint": checkpoint,
-                "hidden_states": hidden,
                 "verifier": verifier,
                 "prompts": source,
                 "baselines": None,

@@ -356,7 +356,8 @@ def _run(args) -> int:
                 raise
             print(f"eagle3: {storage_error}", file=sys.stderr)
             return 2
-    _print_result(result, sample_data=not config.dataset.path)  # as dataset_source reads it: empty is the sample
+    # as dataset_source reads it, empty is the sample; a draft trained elsewhere is not the demo draft
+    _print_result(result, sample_data=not config.dataset.path and config.draft_path is None)
     return 0
 
 

@@ -266,8 +266,10 @@ def _steps(config: PipelineConfig, sizes: _Sizes, memory: int | None, stored: in
 
     bf16 = torch.bfloat16
     budget = int(memory * config.verifier.gpu_memory_fraction) if memory else None
-    regenerate, extract, evaluate = config.regenerate, config.extract, config.evaluate
+    regenerate, extract = config.regenerate, config.extract
     steps = []
+    if config.draft_path is not None:  # a draft trained elsewhere: only evaluation runs
+        return [_evaluate_step(config, sizes, budget)]
     if not regenerate.enabled:
         steps.append(StepPlan(step="regenerate", route="off (regenerate.enabled=false)"))
     elif regenerate.backend == "openai":
@@ -282,13 +284,7 @@ def _steps(config: PipelineConfig, sizes: _Sizes, memory: int | None, stored: in
         steps.append(StepPlan(step="extract", route=f"vLLM server {extract.endpoint.display_url} ({extract.endpoint.model})"))
     else:
         steps.append(_engine_step(config, memory, stored, text_config(sizes.config).num_hidden_layers))
-    if evaluate.backend == "transformers":
-        dtype = getattr(torch, evaluate.dtype)
-        steps.append(_in_step("evaluate", sizes, dtype, evaluate.device, config, budget, data_parallel=False))  # the baselines too
-    else:
-        steps.append(
-            StepPlan(step="evaluate", route=f"vLLM server {evaluate.endpoint.display_url} ({evaluate.endpoint.model}) serving the draft")
-        )
+    steps.append(_evaluate_step(config, sizes, budget))
     train = config.train
     if train.hidden_states == "online":
         steps.append(_online_train_step(sizes, config, budget))
@@ -302,6 +298,15 @@ def _steps(config: PipelineConfig, sizes: _Sizes, memory: int | None, stored: in
             )
         )
     return steps
+
+
+def _evaluate_step(config: PipelineConfig, sizes: _Sizes, budget: int | None) -> StepPlan:
+    import torch
+
+    evaluate = config.evaluate
+    if evaluate.backend == "transformers":  # the baselines too
+        return _in_step("evaluate", sizes, getattr(torch, evaluate.dtype), evaluate.device, config, budget, data_parallel=False)
+    return StepPlan(step="evaluate", route=f"vLLM server {evaluate.endpoint.display_url} ({evaluate.endpoint.model}) serving the draft")
 
 
 def _engine_step(config: PipelineConfig, memory: int | None, stored: int | None, layers: int) -> StepPlan:
@@ -519,7 +524,7 @@ def make_plan(config: PipelineConfig, costs: bool = True) -> Plan:
         for card, gib in REFERENCE_GPUS.items():
             card_budget = int(gib * GIB * fraction)
             plan.reference[card] = (sizes.gpus(torch.bfloat16, card_budget), math.ceil(stored / card_budget) if stored else None)
-    if costs:
+    if costs and config.draft_path is None:  # a given draft trains nothing: no dataset, no states
         plan.dataset_records, plan.dataset_tokens, plan.tokens_from = _dataset_tokens(config, source)
         store_dir = store_path(config.store_dir)
         existing = next(p for p in [store_dir, *store_dir.parents] if p.exists())

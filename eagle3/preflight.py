@@ -145,24 +145,25 @@ def _gguf(source: Path) -> list[Problem]:
     return []
 
 
-def _truncated(path: Path) -> ArtifactError | None:
-    """A safetensors file shorter than its header says (a copy cut short), or no safetensors file at all."""
+def _truncated(path: Path, what: str = "the verifier") -> ArtifactError | None:
+    """A safetensors file shorter than its header says (a copy cut short), or no safetensors file at
+    all; the fix offered is to copy `what` again."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            return ArtifactError(path, f"truncated: {size} bytes, not even a safetensors header; copy the verifier again")
+            return ArtifactError(path, f"truncated: {size} bytes, not even a safetensors header; copy {what} again")
         (header_len,) = struct.unpack("<Q", head)
         try:
             header = json.loads(f.read(header_len)) if 8 + header_len <= size else None
         except (UnicodeDecodeError, json.JSONDecodeError):
             header = None
     if not isinstance(header, dict):
-        return ArtifactError(path, f"not a safetensors file, or truncated in its header ({size} bytes); copy the verifier again")
+        return ArtifactError(path, f"not a safetensors file, or truncated in its header ({size} bytes); copy {what} again")
     end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     if 8 + header_len + end > size:
         return ArtifactError(
-            path, f"truncated: its header lists {8 + header_len + end} bytes of tensors, the file holds {size}; copy the verifier again"
+            path, f"truncated: its header lists {8 + header_len + end} bytes of tensors, the file holds {size}; copy {what} again"
         )
     return None
 
@@ -234,7 +235,7 @@ def _given_draft(path: Path) -> list[Problem]:
         return [unreadable]
     if not (path / "config.json").is_file():
         return [ArtifactError(path, "draft_path has no config.json: not an exported speculators checkpoint directory")]
-    return [p for p in (_truncated(f) for f in sorted(path.glob("*.safetensors"))) if p is not None]
+    return [p for p in (_truncated(f, "the draft") for f in sorted(path.glob("*.safetensors"))) if p is not None]
 
 
 def _prompts(config: PipelineConfig) -> list[Problem]:

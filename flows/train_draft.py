@@ -72,7 +72,7 @@ def train_eagle3_draft(config: PipelineConfig = PipelineConfig()) -> PipelineRes
                 return trained
             produced, draft, checkpoint = trained
         else:
-            checkpoint = given_draft_task(store, Path(config.draft_path).expanduser(), verifier)
+            checkpoint = given_draft_task(store, Path(config.draft_path).expanduser(), config.export, verifier)
             produced, draft = [verifier, checkpoint], None
         evaluation = evaluate_task(store, config.evaluate, checkpoint, verifier, prompts, baselines, config.verifier)
         promotion = promote_task(store, config.promotion, evaluation)

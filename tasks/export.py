@@ -35,11 +35,11 @@ def export_checkpoint_task(
 
 
 @step_task("given-draft", given_draft_provenance)
-def given_draft_task(store_dir: str, draft: Path, verifier: VerifierManifest) -> step.ExportManifest:
+def given_draft_task(store_dir: str, draft: Path, cfg: ExportConfig, verifier: VerifierManifest) -> step.ExportManifest:
     """A draft trained elsewhere (`draft_path`), checked against the verifier and copied into the store."""
     forward_speculators_logs()
     store = run_store(store_dir)
-    provenance = task_provenance(given_draft_task, store, draft=draft, verifier=verifier)
-    manifest = given_draft(draft, verifier, store, provenance)
+    provenance = task_provenance(given_draft_task, store, draft=draft, cfg=cfg, verifier=verifier)
+    manifest = given_draft(draft, cfg, verifier, store, provenance)
     publish_step_report(manifest, {"path": str(manifest.path), "given": str(draft)})
     return manifest

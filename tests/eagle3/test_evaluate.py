@@ -502,8 +502,8 @@ def _refused_unpublished(path: Path, verifier, tmp_path: Path, message: str) -> 
     """Importing the draft at `path` into a fresh store fails with `message` and publishes nothing."""
     store = ArtifactStore(tmp_path / "other-store")
     with pytest.raises(ArtifactError, match=message):
-        given_draft(path, verifier, store, given_draft_provenance(store, path, verifier))
-    assert not (store.root / "artifacts").exists() or not any((store.root / "artifacts").iterdir())
+        given_draft(path, ExportConfig(), verifier, store, given_draft_provenance(store, path, ExportConfig(), verifier))
+    assert not any(store.root.rglob("*.safetensors")) and not (store.root / "published").exists()  # not even in a work dir
 
 
 def test_a_draft_trained_elsewhere_measures_what_the_same_draft_trained_here_does(exported, two_prompts, tmp_path):
@@ -512,7 +512,7 @@ def test_a_draft_trained_elsewhere_measures_what_the_same_draft_trained_here_doe
     other_store = ArtifactStore(tmp_path / "other-store")
     path = _given(checkpoint, tmp_path)
 
-    given = given_draft(path, verifier, other_store, given_draft_provenance(other_store, path, verifier))
+    given = given_draft(path, ExportConfig(), verifier, other_store, given_draft_provenance(other_store, path, ExportConfig(), verifier))
     (path / "config.json").write_text("{}")  # the source may change or go: the store holds its own copy
 
     assert given.digest == checkpoint.digest and given.path.parent == other_store.root / "artifacts"
@@ -534,7 +534,11 @@ def test_a_draft_trained_elsewhere_measures_what_the_same_draft_trained_here_doe
         (lambda c: c["transformer_layer_config"].update(vocab_size=7), r"field 'transformer_layer_config.vocab_size' is 7, but"),
         (
             lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 9]),
-            r"field 'eagle_aux_hidden_state_layer_ids' is \[1, 2, 9\]: expected the verifier layers the draft reads, each in 0..3",
+            r"field 'eagle_aux_hidden_state_layer_ids' is \[1, 2, 9\]: expected the distinct verifier layers the draft reads, each in 0..3",
+        ),
+        (
+            lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 1, 2]),
+            r"field 'eagle_aux_hidden_state_layer_ids' is \[1, 1, 2\]: expected the distinct",
         ),
     ],
 )
@@ -545,16 +549,52 @@ def test_a_given_draft_that_does_not_fit_the_verifier_is_refused_naming_its_conf
     _refused_unpublished(path, verifier, tmp_path, rf"{path / 'config.json'}: {message}")
 
 
-def test_given_weights_speculators_cannot_load_are_refused_and_nothing_is_published(exported, tmp_path):
+@pytest.mark.parametrize(
+    ("tensor", "change", "message"),
+    [
+        ("fc.weight", "drop", r"tensor 'fc\.weight' is missing, expected shape \[64, 192\]"),
+        ("d2t", "drop", r"tensor 'd2t' is missing, expected shape \[512\]"),
+        ("fc.weight", "cut", r"tensor 'fc\.weight' is of shape \[64, 191\], expected shape \[64, 192\] for this verifier and config"),
+    ],
+)
+def test_given_weights_a_server_would_miss_are_refused_by_tensor_and_nothing_is_written(exported, tmp_path, tensor, change, message):
+    """transformers only warns about a missing weight, and speculators skips some on purpose: checked from the headers."""
     from safetensors.torch import load_file, save_file
 
     _store, verifier, _hidden, checkpoint = exported
     path = _given(checkpoint, tmp_path)
     weights = load_file(path / "model.safetensors")
-    weights["fc.weight"] = weights["fc.weight"][:, :-1].contiguous()  # an fc layer for other aux states
+    if change == "drop":
+        del weights[tensor]
+    else:
+        weights[tensor] = weights[tensor][:, :-1].contiguous()
     save_file(weights, path / "model.safetensors")
 
-    _refused_unpublished(path, verifier, tmp_path, rf"{path}: speculators cannot load it as an EAGLE-3 draft of this verifier")
+    _refused_unpublished(path, verifier, tmp_path, rf"{path / 'model.safetensors'}: {message}")
+
+
+def test_a_given_draft_the_store_already_holds_is_that_artifact_with_its_training_figures(exported, tmp_path):
+    store, verifier, _hidden, checkpoint = exported
+    path = _given(checkpoint, tmp_path)
+    provenance = given_draft_provenance(store, path, ExportConfig(), verifier)
+
+    given = given_draft(path, ExportConfig(), verifier, store, provenance)
+
+    assert given.digest == checkpoint.digest and given.tau_sim == checkpoint.tau_sim and given.epochs == checkpoint.epochs
+    assert store.published(type(given), provenance) == given  # what a later run on this store reads
+
+
+def test_a_given_draft_names_the_verifier_export_verifier_name_or_path_gives(exported, tmp_path):
+    _store, verifier, _hidden, checkpoint = exported
+    path = _given(checkpoint, tmp_path)
+    store, cfg = ArtifactStore(tmp_path / "other-store"), ExportConfig(verifier_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct")
+
+    given = given_draft(path, cfg, verifier, store, given_draft_provenance(store, path, cfg, verifier))
+
+    assert (
+        json.loads((given.path / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == cfg.verifier_name_or_path
+    )
+    assert given.verifier_name_or_path == cfg.verifier_name_or_path and given.digest != checkpoint.digest
 
 
 def test_baselines_of_other_prompts_are_refused_by_name(exported, two_prompts):

@@ -120,6 +120,14 @@ def test_the_dataset_s_hidden_states_are_sized_against_the_store_s_free_disk(tmp
     assert not full.fits and "free: DOES NOT FIT" in full.render()  # `eagle3 plan` exits 1
 
 
+def test_a_given_draft_s_plan_has_only_the_evaluation_and_no_dataset_or_states(tmp_path):
+    plan = plan_of(tmp_path, LLAMA_8B, f"draft_path={tmp_path / 'exported-elsewhere'}", f"dataset.path={tmp_path / 'none.jsonl'}")
+
+    assert [step.step for step in plan.steps] == ["evaluate"]
+    assert plan.dataset_tokens is None and plan.states_bytes is None and plan.fits
+    assert "evaluate" in plan.render()
+
+
 def test_a_measured_extraction_in_the_store_gives_the_extraction_time(tiny_verifier, tmp_path):
     store = ArtifactStore(tmp_path / "store")
     verifier = resolve_verifier(VerifierConfig(path=str(tiny_verifier)), store)  # memoises the verifier's digest

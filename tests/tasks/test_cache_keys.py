@@ -122,7 +122,7 @@ def current_keys(root: Path) -> dict[str, str]:
             export_checkpoint_task,
             {"cfg": ExportConfig(), "draft": draft, "verifier": verifier, "vocab": vocab, "hidden_states": hidden},
         ),
-        "checkpoint/given": (given_draft_task, {"draft": given, "verifier": verifier}),
+        "checkpoint/given": (given_draft_task, {"draft": given, "cfg": ExportConfig(), "verifier": verifier}),
         "baseline": (measure_baselines_task, {"cfg": cpu_eval, "verifier": verifier, "prompts": source}),
         "evaluation": (
             evaluate_task,

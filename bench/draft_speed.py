@@ -151,9 +151,12 @@ def synchronize() -> None:
 
 def decode(forward, proposer, prompts: list[list[int]], max_new_tokens: int, k: int, eos_ids: set[int]) -> dict:
     """Speculative decodes of `prompts` (greedy where `proposer` is None): outputs, tokens/s, tau,
-    wall per verifier pass; then the same decodes again with each call timed: ms per round and per
-    verifier pass after the prompt's."""
+    wall per verifier pass; then the same decodes again with each call timed: ms per round (by the
+    tokens it confirms: a trained draft's rounds confirm 1 to k + 1, an untrained one's 1), per
+    round over a prompt, and per verifier pass after the prompt's."""
     timed_forward = Timed(forward, "__call__")
+    by_confirmed: dict[int, list[float]] = {}
+    prompt_rounds: list[float] = []
     if proposer is None:
         runs = [greedy_decode(forward, p, max_new_tokens, eos_ids) for p in prompts]
         for p in prompts:
@@ -163,19 +166,28 @@ def decode(forward, proposer, prompts: list[list[int]], max_new_tokens: int, k: 
         runs = [speculative_decode(forward, proposer, p, max_new_tokens, k, eos_ids) for p in prompts]
         for p in prompts:
             first = len(timed_proposer.calls)
-            speculative_decode(timed_forward, timed_proposer, p, max_new_tokens, k, eos_ids)
-            del timed_proposer.calls[first : first + 1]  # the round over the prompt (if any), as the prompt's pass is left out
+            timed = speculative_decode(timed_forward, timed_proposer, p, max_new_tokens, k, eos_ids)
+            prompt_rounds.append(timed_proposer.calls[first][1])
+            del timed_proposer.calls[first : first + 1]  # the round over the prompt, as the prompt's pass is left out
+            for (_, seconds), accepted in zip(timed_proposer.calls[first:], timed.accepted_per_pass, strict=False):
+                by_confirmed.setdefault(accepted + 1, []).append(seconds)  # after a pass that accepted `accepted`
     tokens = sum(len(r.tokens) for r in runs)
+    firsts = sum(r.first_token_seconds or 0.0 for r in runs)
     row = {
         "outputs": [r.tokens for r in runs],
         "tokens_per_s": tokens_per_s(runs),  # the prompts' passes included, as evaluation counts
         "pass_ms": timed_forward.mean_ms(longest=1 if proposer is None else k + 1),
+        "first_token_ms": 1e3 * firsts / len(runs),  # the verifier's pass over the prompt, to the host's read
     }
     if proposer is not None:
         passes = sum(r.verifier_passes for r in runs)
         row["tau"] = (tokens - len(runs)) / passes  # a decode's first token: the prompt's pass
         row["round_ms"] = timed_proposer.mean_ms()
+        row["round_ms_by_tokens_confirmed"] = {m: 1e3 * sum(t) / len(t) for m, t in sorted(by_confirmed.items())}
+        row["rounds_by_tokens_confirmed"] = {m: len(t) for m, t in sorted(by_confirmed.items())}
+        row["prompt_round_ms"] = 1e3 * sum(prompt_rounds) / len(prompt_rounds)
         row["wall_ms_per_pass"] = 1e3 * sum(r.seconds for r in runs) / passes
+        row["wall_ms_per_pass_after_first_token"] = 1e3 * (sum(r.seconds for r in runs) - firsts) / passes
     return row
 
 
@@ -267,16 +279,25 @@ def main() -> None:
         f"{len(timed)} prompts x {args.max_new_tokens} tokens, k={args.k}, {args.dtype}"
     )
     print(
-        f"{'':<8} {'tok/s':>8} {'tau':>6} {'round ms':>9} {'pass ms':>8} {'wall ms':>8} {'= greedy':>9}"
+        f"{'':<8} {'tok/s':>8} {'tau':>6} {'round ms':>9} {'pass ms':>8} {'wall ms':>8} {'1st ms':>7} {'= greedy':>9}"
         + (f" {'at tau ' + str(args.tau):>14}" if args.tau else "")
     )
     for name, row in rows.items():
         line = f"{name:<8} {row['tokens_per_s']:>8.1f} {row.get('tau', 1.0):>6.3f} {row.get('round_ms', 0.0):>9.2f} {row['pass_ms']:>8.2f}"
-        line += f" {row.get('wall_ms_per_pass', row['pass_ms']):>8.2f}"
+        line += f" {row.get('wall_ms_per_pass', row['pass_ms']):>8.2f} {row['first_token_ms']:>7.2f}"
         line += f" {row.get('outputs_equal_greedy', True)!s:>9}"
         if args.tau and name != "greedy":
             line += f" {row['projected_tokens_per_s']:>7.1f} tok/s, {row['projected_over_greedy']:.2f}x greedy"
         print(line)
+    for name, row in rows.items():
+        if "round_ms_by_tokens_confirmed" in row:
+            split = ", ".join(
+                f"{m}: {ms:.2f} ms x {row['rounds_by_tokens_confirmed'][m]}" for m, ms in row["round_ms_by_tokens_confirmed"].items()
+            )
+            print(
+                f"{name}: rounds by tokens confirmed {split}; a round over a prompt {row['prompt_round_ms']:.2f} ms; "
+                f"wall a pass after the first token {row['wall_ms_per_pass_after_first_token']:.2f} ms"
+            )
     if static_kind:
         print(f"static rounds: {static_kind}" + (f"; compiling the draft's steps: {compile_s:.1f} s" if compile_s is not None else ""))
     summary = {

@@ -167,7 +167,7 @@ def decode(forward, proposer, prompts: list[list[int]], max_new_tokens: int, k: 
         for p in prompts:
             first = len(timed_proposer.calls)
             timed = speculative_decode(timed_forward, timed_proposer, p, max_new_tokens, k, eos_ids)
-            prompt_rounds.append(timed_proposer.calls[first][1])
+            prompt_rounds += [seconds for _, seconds in timed_proposer.calls[first : first + 1]]  # none: ended at its first token
             del timed_proposer.calls[first : first + 1]  # the round over the prompt, as the prompt's pass is left out
             for (_, seconds), accepted in zip(timed_proposer.calls[first:], timed.accepted_per_pass, strict=False):
                 by_confirmed.setdefault(accepted + 1, []).append(seconds)  # after a pass that accepted `accepted`
@@ -185,7 +185,7 @@ def decode(forward, proposer, prompts: list[list[int]], max_new_tokens: int, k: 
         row["round_ms"] = timed_proposer.mean_ms()
         row["round_ms_by_tokens_confirmed"] = {m: 1e3 * sum(t) / len(t) for m, t in sorted(by_confirmed.items())}
         row["rounds_by_tokens_confirmed"] = {m: len(t) for m, t in sorted(by_confirmed.items())}
-        row["prompt_round_ms"] = 1e3 * sum(prompt_rounds) / len(prompt_rounds)
+        row["prompt_round_ms"] = 1e3 * sum(prompt_rounds) / len(prompt_rounds) if prompt_rounds else None
         row["wall_ms_per_pass"] = 1e3 * sum(r.seconds for r in runs) / passes
         row["wall_ms_per_pass_after_first_token"] = 1e3 * (sum(r.seconds for r in runs) - firsts) / passes
     return row
@@ -295,7 +295,7 @@ def main() -> None:
                 f"{m}: {ms:.2f} ms x {row['rounds_by_tokens_confirmed'][m]}" for m, ms in row["round_ms_by_tokens_confirmed"].items()
             )
             print(
-                f"{name}: rounds by tokens confirmed {split}; a round over a prompt {row['prompt_round_ms']:.2f} ms; "
+                f"{name}: rounds by tokens confirmed {split}; a round over a prompt {row['prompt_round_ms'] or 0.0:.2f} ms; "
                 f"wall a pass after the first token {row['wall_ms_per_pass_after_first_token']:.2f} ms"
             )
     if static_kind:
